@@ -1,0 +1,40 @@
+"""autoshard: plan and emit 3D tensor-parallel programs for PyTorch models.
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    parallel = autoshard.parallelize(model, mesh, (x,), strategy="3d")
+    loss = parallel(x)          # every rank passes the full input, gets the full output
+    print(parallel.code)        # the rewritten program, collectives included
+"""
+
+from autoshard.api import ParallelModule, parallelize, plan
+from autoshard.comm import CommLog, CommRecord, comm_log
+from autoshard.errors import (
+    AutoshardError,
+    InputError,
+    MeshError,
+    ShapeError,
+    StrategyError,
+    TraceError,
+)
+from autoshard.layout import Layout, Step
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan
+
+__all__ = [
+    "AutoshardError",
+    "CommLog",
+    "CommRecord",
+    "InputError",
+    "Layout",
+    "Mesh",
+    "MeshError",
+    "ParallelModule",
+    "Plan",
+    "ShapeError",
+    "Step",
+    "StrategyError",
+    "TraceError",
+    "comm_log",
+    "parallelize",
+    "plan",
+]

@@ -1,0 +1,115 @@
+"""The pipeline: trace → plan → emit → shard parameters.
+
+plan = autoshard.plan(model, (2, 2, 2), (x,))          # no processes needed
+parallel = autoshard.parallelize(model, mesh, (x,))     # on every rank of `mesh`
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autoshard import comm
+from autoshard.errors import InputError, MeshError
+from autoshard.layout import Layout
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan
+from autoshard.planner import plan_graph
+from autoshard.trace import Traced, trace
+from passes import ShardParameters, emit
+
+
+def plan(model: torch.nn.Module, mesh_shape, example_inputs: tuple, *, strategy=None) -> Plan:
+    """Plan `model` for a mesh of `mesh_shape` without any process group."""
+    return plan_graph(trace(model, example_inputs), Mesh.from_shape(mesh_shape), strategy)
+
+
+def parallelize(
+    model: torch.nn.Module, mesh, example_inputs: tuple, *, strategy=None
+) -> ParallelModule:
+    """Rewrite `model` into the program this rank runs on `mesh` (a DeviceMesh).
+
+    Call it on every rank with the same model and inputs. `strategy` picks a
+    family for the whole model ("3d", "3d-allreduce", "replicated") or a dict
+    from module-path patterns (``"layers.*.fc1"``) to families.
+    """
+    _check_mesh(mesh)
+    layout = Mesh.from_device_mesh(mesh)
+    traced = trace(model, example_inputs)
+    the_plan = plan_graph(traced, layout, strategy)
+    program = emit(traced, the_plan)
+    bound = comm.BoundMesh(mesh, layout)
+    with comm.bound(bound):
+        program = ShardParameters(the_plan, traced.parameters)(program)
+    return ParallelModule(program, the_plan, traced, bound)
+
+
+def _check_mesh(mesh) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise MeshError(
+            "parallelize needs an initialized torch.distributed process group "
+            "(torchrun, or init_process_group); use autoshard.plan to plan without one"
+        )
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise MeshError(
+            f"the mesh has {mesh.size()} devices ({tuple(mesh.mesh.shape)}) but the process "
+            f"group has {world} ranks; build the mesh over all ranks, e.g. "
+            f"init_device_mesh(device_type, shape) with prod(shape) == {world}"
+        )
+
+
+class ParallelModule(torch.nn.Module):
+    """The program one rank runs. Parameters are this rank's shards under the
+    model's FQNs; call it with the full global inputs on every rank and get
+    the full outputs back on every rank."""
+
+    def __init__(self, program: fx.GraphModule, plan: Plan, traced: Traced, mesh: comm.BoundMesh):
+        super().__init__()
+        object.__setattr__(self, "program", program)  # not a child: its parameters are ours
+        self.plan = plan
+        self._mesh = mesh
+        self._input_shapes = traced.input_shapes
+        self._out_spec = traced.out_spec
+        for name, child in program.named_children():
+            self.add_module(name, child)
+        for name, param in program.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        for name, buf in program.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+
+    @property
+    def code(self) -> str:
+        return self.program.code
+
+    def forward(self, *inputs):
+        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
+        if shapes != self._input_shapes:
+            raise InputError(
+                f"inputs of shapes {list(shapes)} differ from the example inputs "
+                f"{list(self._input_shapes)} this module was planned for; parallelize again "
+                "with examples of the new shapes"
+            )
+        with comm.bound(self._mesh):
+            outputs = self.program(*inputs)
+        return pytree.tree_unflatten(list(outputs), self._out_spec)
+
+    def _gathered(self, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        out = {}
+        with comm.bound(self._mesh):
+            for fqn, local in tensors.items():
+                layout = self.plan.storage.get(fqn) or Layout.replicated(
+                    local.ndim if local is not None else 0
+                )
+                out[fqn] = None if local is None else comm.gather_full(local, layout.dims)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer at its original shape and name (a collective)."""
+        return self._gathered(dict(self.program.state_dict(keep_vars=True)))
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient at its original shape and name (a collective)."""
+        return self._gathered({n: p.grad for n, p in self.program.named_parameters()})

@@ -1,0 +1,529 @@
+"""The `autoshard` command: look at a plan without running anything.
+
+    autoshard show examples/mlp.py:mlp --mesh 2x2x2
+    autoshard show examples/mlp.py:mlp --mesh 1x2x4 --strategy 3d-allreduce --rank 5
+    autoshard show examples/mlp.py:mlp --mesh 2x2x2 --strategy '{"layers.*.fc1": "replicated"}'
+
+`show` traces the model that a factory in a Python file builds, plans it for
+the mesh (no processes, no devices) and prints, with rich: a header (model,
+mesh, strategy, how much of the parameters each rank holds), the plan (one
+row per node: strategy, shapes, stored layout, collectives), the predicted
+communication per collective kind, axis and phase, the planner's warnings,
+and the program one rank runs, with the parameter shards that rank holds.
+
+Bad input (a malformed MODEL or --mesh, a missing file, anything autoshard
+refuses with an `AutoshardError`) prints one red line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+from rich.text import Text
+
+from autoshard.errors import AutoshardError
+from autoshard.layout import Layout, Step
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan
+from autoshard.strategies import FAMILIES
+
+EXIT_USAGE = 2
+_FAMILY_STYLE = {"3d": "green", "3d-allreduce": "cyan", "replicated": "yellow"}
+_FREES = re.compile(r";  (?:\w+ = )+None$", re.MULTILINE)  # fx's `x = None` after last use
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is printed as is."""
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_mesh(text: str) -> tuple[int, ...]:
+    """``"2x2x2"`` (or ``2×2×2``, ``2,2,2``) → ``(2, 2, 2)``; 1 to 3 positive sizes."""
+    parts = text.replace("×", "x").replace(",", "x").lower().split("x")
+    if not 1 <= len(parts) <= 3 or not all(p.strip().isdigit() for p in parts):
+        raise UsageError(
+            f"--mesh {text!r} is not a mesh shape: give 1 to 3 positive sizes joined by 'x', "
+            "e.g. 2x2x2 or 1x2x4"
+        )
+    shape = tuple(int(p) for p in parts)
+    if any(s < 1 for s in shape):
+        raise UsageError(f"--mesh {text!r} has an axis of size 0: every size must be at least 1")
+    return shape
+
+
+def parse_strategy(text: str):
+    """A family name, or a JSON object from module-path patterns to family names."""
+    if not text.lstrip().startswith("{"):
+        if text not in FAMILIES:
+            raise UsageError(
+                f"--strategy {text!r} is not a strategy: choose one of {', '.join(FAMILIES)} "
+                'or give a JSON object such as \'{"layers.*.fc1": "replicated"}\''
+            )
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--strategy is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise UsageError(
+            "--strategy JSON must be an object from module patterns to family names, "
+            'e.g. \'{"layers.*.fc1": "replicated", "*": "3d"}\''
+        )
+    unknown = sorted({v for v in value.values() if v not in FAMILIES})
+    if unknown:
+        raise UsageError(
+            f"--strategy names unknown families {', '.join(map(repr, unknown))}: "
+            f"choose from {', '.join(FAMILIES)}"
+        )
+    return value
+
+
+def load_model(spec: str):
+    """``path/to/file.py:factory`` → ``(model, example_inputs)`` from calling the factory."""
+    from autoshard.testing import load_factory
+
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name.isidentifier():
+        raise UsageError(f"MODEL {spec!r} is not of the form path/to/file.py:factory")
+    if not Path(path).is_file():
+        raise UsageError(f"MODEL {spec!r}: no file at {path!r}")
+    try:
+        factory = load_factory(spec)
+    except AttributeError:
+        raise UsageError(f"MODEL {spec!r}: {path} defines no {name!r}") from None
+    if not callable(factory):
+        raise UsageError(f"MODEL {spec!r}: {name!r} in {path} is not callable")
+    built = factory()
+    if (
+        not isinstance(built, tuple)
+        or len(built) != 2
+        or not isinstance(built[0], torch.nn.Module)
+        or not isinstance(built[1], tuple)
+    ):
+        raise UsageError(
+            f"MODEL {spec!r}: {name}() must return (model, example_inputs) with an nn.Module "
+            f"and a tuple of tensors, not {type(built).__name__}"
+        )
+    return built
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def human_bytes(n: float) -> str:
+    """2048 → ``2.0 KiB``; below 1 KiB in whole bytes."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def short_op(op: str) -> str:
+    """``aten.linear.default`` → ``aten.linear``: the overload name adds nothing here."""
+    parts = op.split(".")
+    return ".".join(parts[:2]) if len(parts) == 3 and parts[0] == "aten" else op
+
+
+def shape_text(shape) -> str:
+    return "×".join(map(str, shape)) if len(shape) else "scalar"
+
+
+def steps_text(steps: list[tuple[Step, bool]]) -> Text:
+    """One line per distinct step: ``all_gather(b) 2.0 KiB ↔ reduce_scatter``.
+
+    Repeated identical steps in one node (a norm's weight and bias) are counted
+    (``2×``). Steps free in forward (a split, a gradient-only all-reduce) are
+    dim; the backward is left off where no gradient flows.
+    """
+    counts: dict[tuple[Step, bool], int] = {}
+    for step, grad in steps:
+        counts[step, grad] = counts.get((step, grad), 0) + 1
+    text = Text()
+    for i, ((step, grad), count) in enumerate(counts.items()):
+        if i:
+            text.append("\n")
+        if count > 1:
+            text.append(f"{count}× ", style="bold")
+        free = step.forward_collective == "none"
+        text.append(f"{step.kind}({step.axis}) ", style="dim" if free else "cyan")
+        text.append(human_bytes(step.nbytes), style="dim" if free else None)
+        if grad:
+            back = step.backward_collective != "none"
+            text.append(" ↔ ", style="dim")
+            text.append(step.backward, style="magenta" if back else "dim")
+    return text
+
+
+def family_text(family: str, detail: str) -> Text:
+    text = Text(family, style=_FAMILY_STYLE.get(family, "dim"))
+    if detail:
+        text.append(" " + detail)
+    return text
+
+
+def rank_coordinate(mesh: Mesh, rank: int) -> dict[str, int]:
+    """Rank → coordinate on the mesh, row-major over its axes (the last axis varies fastest)."""
+    coord = {}
+    for name, size in reversed(list(zip(mesh.names, mesh.sizes))):
+        coord[name] = rank % size
+        rank //= size
+    return {name: coord[name] for name in mesh.names}
+
+
+def shard_slices(shape, layout: Layout, mesh: Mesh, coord: dict[str, int]) -> list[tuple[int, int]]:
+    """Per dim, the [start, stop) of the global tensor the rank at `coord` holds.
+
+    Axes splitting one dim nest outer to inner: with (x, y) the chunk index is
+    ``coord[x] * size(y) + coord[y]`` of ``size(x) * size(y)`` equal chunks.
+    """
+    out = []
+    for size, axes in zip(shape, layout.dims):
+        index, count = 0, 1
+        for axis in axes:
+            index = index * mesh.size(axis) + coord[axis]
+            count *= mesh.size(axis)
+        chunk = size // count
+        out.append((index * chunk, (index + 1) * chunk))
+    return out
+
+
+def slice_text(shape, slices) -> str:
+    """``rows 16:32, cols 8:16``; ``all`` when the rank holds the whole tensor."""
+    if all(start == 0 and stop == size for size, (start, stop) in zip(shape, slices)):
+        return "all"
+    names = ["rows", "cols"] if len(shape) == 2 else [f"dim{d}" for d in range(len(shape))]
+    if len(shape) == 1:
+        names = [""]
+    parts = [
+        f"{name} {start}:{stop}".strip()
+        for name, size, (start, stop) in zip(names, shape, slices)
+        if (start, stop) != (0, size)
+    ]
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def _plain(cell) -> Text:
+    """A table cell as literal text: model names may hold brackets rich would read as markup."""
+    return cell if isinstance(cell, Text) else Text(cell)
+
+
+def _layout(plan: Plan, name: str, tensor: torch.Tensor) -> Layout:
+    """How a parameter or buffer is stored (replicated where the plan does not say)."""
+    return plan.storage.get(name) or Layout.replicated(tensor.ndim)
+
+
+def _header(console: Console, model, plan: Plan, strategy, parameters: dict) -> None:
+    params = {n: t for n, t in parameters.items() if isinstance(t, torch.nn.Parameter)}
+    total = sum(t.numel() for t in params.values())
+    local = sum(
+        math.prod(_layout(plan, n, t).local_shape(t.shape, plan.mesh)) for n, t in params.items()
+    )
+    mesh = plan.mesh
+    axes = ", ".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.sizes))
+    fraction = f"{local / total:.1%}" if total else "—"
+    ratio = f", 1/{total / local:.3g}" if local and total != local else ""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    grid.add_row("model", Text(type(model).__name__, style="bold"))
+    grid.add_row("mesh", f"{'×'.join(map(str, mesh.sizes))} ({axes}), {mesh.world_size} ranks")
+    grid.add_row(
+        "strategy", _plain(json.dumps(strategy) if isinstance(strategy, dict) else strategy)
+    )
+    grid.add_row("nodes", str(len(plan.nodes)))
+    grid.add_row(
+        "parameters",
+        f"{total:,} elements in {len(params)} tensors; per rank {local:,} ({fraction}{ratio})",
+    )
+    console.print(grid)
+
+
+def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int) -> Table:
+    """One row per node, inputs first and the output last. The fixed-format columns
+    never wrap; module and strategy fold. Narrow consoles lose the op column (below
+    140 columns), then see module and strategy under the node's name (below 120)."""
+    with_op, wide = width >= 140, width >= 120
+    table = Table(
+        title="plan",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        leading=0 if wide else 1,
+    )
+    table.add_column("node", style="bold", no_wrap=wide, overflow="fold")
+    if with_op:
+        table.add_column("op", no_wrap=True)
+    if wide:
+        table.add_column("module", overflow="fold")
+        table.add_column("strategy", overflow="fold")
+    table.add_column("shape → local", no_wrap=True)
+    table.add_column("stored", no_wrap=True)
+    table.add_column("collectives (fwd ↔ bwd)", no_wrap=True)
+
+    def row(name, op, module, strategy, shapes, stored, steps) -> None:
+        if wide:
+            cells = [name, *[op] * with_op, module, strategy]
+        else:
+            parts = [name, *[Text(module, "dim")] * bool(module), strategy]
+            cells = [Text("\n").join(map(_plain, parts))]
+        table.add_row(*map(_plain, [*cells, shapes, stored, steps]))
+
+    mesh = plan.mesh
+    for name, steps in plan.entry_steps.items():
+        layout = plan.storage.get(name)
+        shape = input_shapes.get(name)
+        row(
+            Text(name, style="dim"),
+            Text("input", style="dim"),
+            "",
+            Text("split on entry" if steps else "whole on every rank", style="dim"),
+            f"{shape_text(shape)} → {shape_text(layout.local_shape(shape, mesh))}"
+            if shape is not None and layout is not None
+            else "",
+            str(layout) if layout is not None else "",
+            steps_text([(s, False) for s in steps]),
+        )
+    for node in plan.nodes.values():
+        local = node.strategy.stored.local_shape(node.shape, mesh)
+        row(
+            node.name,
+            short_op(node.op),
+            node.module,
+            family_text(node.strategy.family, node.strategy.detail),
+            f"{shape_text(node.shape)} → {shape_text(local)}",
+            str(node.strategy.stored),
+            steps_text(node.steps_with_grad()),
+        )
+    out_steps = [(s, True) for steps in plan.output_steps for s in steps]
+    row(
+        Text("output", style="dim"),
+        "",
+        "",
+        Text("gathered on exit" if out_steps else "returned as is", style="dim"),
+        "",
+        "R",
+        steps_text(out_steps),
+    )
+    return table
+
+
+def predicted(plan: Plan) -> dict[tuple[str, str, str], tuple[int, int, float]]:
+    """(kind, axis, phase) → (calls, buffer bytes, bytes each rank sends on a ring).
+
+    Bytes are `plan.predicted_comm()`'s, summed over nodes; calls and ring bytes
+    come from the same steps (every node's, then the exit gathers)."""
+    out: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0, 0.0])
+    for (_, kind, axis, phase), nbytes in plan.predicted_comm().items():
+        out[kind, axis, phase][1] += nbytes
+    steps = [pair for node in plan.nodes.values() for pair in node.steps_with_grad()]
+    steps += [(step, True) for output in plan.output_steps for step in output]
+    for step, grad in steps:
+        runs = [(step.forward_collective, "forward"), (step.backward_collective, "backward")]
+        for collective, phase in runs[: 1 + grad]:
+            if collective != "none":
+                entry = out[collective, step.axis, phase]
+                entry[0] += 1
+                entry[2] += step.ring_bytes(collective)
+    order = sorted(out, key=lambda key: (key[2] != "forward", key))
+    return {key: tuple(out[key]) for key in order}
+
+
+def _comm_table(plan: Plan) -> Table | Text:
+    rows = predicted(plan)
+    if not rows:
+        return Text("predicted communication: none (no collectives in this plan)", style="green")
+    table = Table(
+        title="predicted communication per training step (one rank)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        show_footer=True,
+    )
+    totals = defaultdict(lambda: [0, 0, 0.0])
+    for (_, _, phase), (calls, nbytes, ring) in rows.items():
+        for key in (phase, "total"):
+            totals[key][0] += calls
+            totals[key][1] += nbytes
+            totals[key][2] += ring
+    keys = [k for k in ("forward", "backward", "total") if k in totals]
+
+    def foot(i, fmt) -> str:
+        return "\n".join(fmt(totals[k][i]) for k in keys)
+
+    table.add_column("collective", footer=Text("\n".join(keys), style="bold"))
+    table.add_column("axis")
+    table.add_column("phase")
+    table.add_column("calls", justify="right", footer=foot(0, str))
+    table.add_column("buffer bytes", justify="right", footer=foot(1, human_bytes))
+    table.add_column("sent per rank (ring)", justify="right", footer=foot(2, human_bytes))
+    for (kind, axis, phase), (calls, nbytes, ring) in rows.items():
+        table.add_row(
+            kind,
+            f"{axis} ({plan.mesh.size(axis)})",
+            phase,
+            str(calls),
+            human_bytes(nbytes),
+            human_bytes(ring),
+        )
+    return table
+
+
+def _shards_table(plan: Plan, parameters: dict, coord: dict[str, int]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    table.add_column("parameter", style="bold", no_wrap=True)
+    table.add_column("global", no_wrap=True)
+    table.add_column("local", no_wrap=True)
+    table.add_column("layout", no_wrap=True)
+    table.add_column("holds", no_wrap=True)
+    for name, tensor in parameters.items():
+        layout = _layout(plan, name, tensor)
+        shape = tuple(tensor.shape)
+        slices = shard_slices(shape, layout, plan.mesh, coord)
+        cells = [
+            name if isinstance(tensor, torch.nn.Parameter) else f"{name} (buffer)",
+            str(list(shape)),
+            str(list(layout.local_shape(shape, plan.mesh))),
+            str(layout),
+            slice_text(shape, slices),
+        ]
+        table.add_row(*map(_plain, cells))
+    return table
+
+
+# ---------------------------------------------------------------------------- show
+
+
+def show(args, console: Console) -> None:
+    from autoshard.planner import plan_graph
+    from autoshard.trace import trace
+    from passes import emit
+
+    shape = parse_mesh(args.mesh)
+    mesh = Mesh.from_shape(shape)
+    strategy = parse_strategy(args.strategy)
+    if not 0 <= args.rank < mesh.world_size:
+        raise UsageError(
+            f"--rank {args.rank} is not on the mesh: it has ranks 0..{mesh.world_size - 1}"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
+        model, inputs = load_model(args.model)
+        traced = trace(model, inputs)
+        plan = plan_graph(traced, mesh, strategy)
+        program = None if args.no_code else emit(traced, plan)
+
+    _header(console, model, plan, strategy, traced.parameters)
+    console.print()
+    inputs = dict(zip(plan.entry_steps, traced.input_shapes))  # both in placeholder order
+    console.print(_plan_table(plan, inputs, console.width))
+    console.print(_comm_table(plan))
+    if plan.warnings:
+        console.print()
+        console.print(Text(f"warnings ({len(plan.warnings)})", style="bold yellow"))
+        for message in plan.warnings:
+            console.print(Text("  ! " + message, style="yellow"))
+    if program is None:
+        return
+    coord = rank_coordinate(mesh, args.rank)
+    where = ", ".join(f"{a}={i}" for a, i in coord.items())
+    console.print()
+    console.rule(
+        Text(f"rank {args.rank}'s program (mesh coordinate {where})", style="bold"), align="left"
+    )
+    console.print(
+        Text(
+            f"rank {args.rank} holds these shards of the parameters; every rank runs the "
+            "same code on its own shards (fx's `x = None` frees after last use left out):",
+            style="dim",
+        )
+    )
+    console.print(_shards_table(plan, traced.parameters, coord))
+    code = _FREES.sub("", program.code).strip("\n") + "\n"
+    console.print(Syntax(code, "python", word_wrap=True, background_color="default"))
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoshard", description="Plan PyTorch models for 3D tensor parallelism."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    show_parser = commands.add_parser(
+        "show",
+        help="trace and plan a model, print the plan and one rank's program",
+        description="Trace and plan MODEL for a mesh (no processes needed) and print the plan, "
+        "its predicted communication, and the program one rank runs.",
+    )
+    show_parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="path/to/file.py:factory, a function returning (model, example_inputs)",
+    )
+    show_parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2x2 (axes a, b, c)")
+    show_parser.add_argument(
+        "--strategy",
+        default="3d",
+        help=f"one of {', '.join(FAMILIES)}, or a JSON object from module patterns to "
+        'families, e.g. \'{"layers.*.fc1": "replicated"}\' (default: 3d)',
+    )
+    show_parser.add_argument(
+        "--rank", type=int, default=0, help="whose program and shards to print (default: 0)"
+    )
+    show_parser.add_argument("--no-code", action="store_true", help="leave out the program")
+    return parser
+
+
+def _console(stream) -> Console:
+    if stream.isatty():
+        return Console(file=stream, width=shutil.get_terminal_size().columns)
+    return Console(file=stream, width=160)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    console = _console(sys.stdout)
+    try:
+        if args.command == "show":
+            show(args, console)
+    except (UsageError, AutoshardError) as e:
+        message = " ".join(str(e).split())
+        prefix = "" if isinstance(e, UsageError) else f"{type(e).__name__}: "
+        errors = _console(sys.stderr)
+        errors.print(
+            Text(f"autoshard: error: {prefix}{message}", style="bold red"),
+            soft_wrap=True,
+            highlight=False,
+        )
+        sys.exit(EXIT_USAGE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Differentiable collectives over named mesh axes, and the per-rank log.
+
+The emitted program calls these functions by name, so a reader of
+`ParallelModule.code` sees every collective with its axis and its backward:
+
+    all_gather = autoshard.comm.all_gather(x, axis='b', dim=0,
+                                           backward='reduce_scatter', node='linear_1')
+
+Each is a forward/backward pair from DESIGN.md's table; `backward` names
+what the gradient needs, which depends on who consumes the output. The mesh
+is bound for the duration of a call (`bound`), and autograd keeps the
+process group each collective used, so backward needs no binding.
+
+    with autoshard.comm_log() as log:
+        model(x).sum().backward()
+    log.records  # [CommRecord(kind='all_gather', axis='b', ...), ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from autoshard.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    name: str
+    group: object
+    size: int
+    coordinate: int
+
+
+class BoundMesh:
+    """A DeviceMesh seen through autoshard's axis names."""
+
+    def __init__(self, device_mesh, mesh: Mesh):
+        self.mesh = mesh
+        self.axes = {}
+        for i, name in enumerate(mesh.names):
+            if mesh.sizes[i] > 1:
+                self.axes[name] = AxisGroup(
+                    name, device_mesh.get_group(i), mesh.sizes[i], device_mesh.get_local_rank(i)
+                )
+
+    def coordinate(self, axis: str) -> int:
+        return self.axes[axis].coordinate if axis in self.axes else 0
+
+
+_BOUND: contextvars.ContextVar[BoundMesh | None] = contextvars.ContextVar(
+    "autoshard_mesh", default=None
+)
+_LOGS: contextvars.ContextVar[tuple[CommLog, ...]] = contextvars.ContextVar(
+    "autoshard_logs", default=()
+)
+
+
+@contextlib.contextmanager
+def bound(mesh: BoundMesh):
+    token = _BOUND.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _BOUND.reset(token)
+
+
+def current_mesh() -> BoundMesh:
+    mesh = _BOUND.get()
+    if mesh is None:
+        raise RuntimeError("autoshard collectives run only inside a ParallelModule call")
+    return mesh
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all
+    axis: str
+    group_size: int
+    bytes: int  # the full buffer: gathered output, or unreduced input
+    node: str
+    phase: str  # forward | backward | recompute
+
+
+@dataclass
+class CommLog:
+    records: list[CommRecord] = field(default_factory=list)
+
+    def bytes_by(self, *keys: str) -> dict[tuple, int]:
+        """Total bytes grouped by record fields, e.g. ``bytes_by("kind", "axis", "phase")``."""
+        out: dict[tuple, int] = defaultdict(int)
+        for r in self.records:
+            out[tuple(getattr(r, k) for k in keys)] += r.bytes
+        return dict(out)
+
+    def ring_bytes(self, node: str | None = None, phase: str | None = None) -> float:
+        """Bytes this rank sends on a ring: (n−1)/n of the buffer, twice for all-reduce."""
+        total = 0.0
+        for r in self.records:
+            if (node is None or r.node == node) and (phase is None or r.phase == phase):
+                total += (
+                    (2 if r.kind == "all_reduce" else 1)
+                    * (r.group_size - 1)
+                    / r.group_size
+                    * r.bytes
+                )
+        return total
+
+
+@contextlib.contextmanager
+def comm_log():
+    """Record every collective this rank runs inside the block."""
+    log = CommLog()
+    token = _LOGS.set(_LOGS.get() + (log,))
+    try:
+        yield log
+    finally:
+        _LOGS.reset(token)
+
+
+def _in_backward() -> bool:
+    # The one private torch call: tells a recomputation (forward code run by
+    # the autograd engine for a checkpoint) from a first forward.
+    return torch._C._current_graph_task_id() != -1
+
+
+def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str) -> None:
+    for log in _LOGS.get():
+        log.records.append(CommRecord(kind, axis.name, axis.size, nbytes, node, phase))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _all_gather(x, axis: AxisGroup, dim, node, phase):
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] * axis.size, *moved.shape[1:]))
+    dist.all_gather_single(out, moved, group=axis.group)
+    _record("all_gather", axis, _nbytes(out), node, phase)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // axis.size, *moved.shape[1:]))
+    dist.reduce_scatter_single(out, moved, group=axis.group)
+    _record("reduce_scatter", axis, _nbytes(moved), node, phase)
+    return out.movedim(0, dim)
+
+
+def _all_reduce(x, axis: AxisGroup, dim, node, phase):
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=axis.group)
+    _record("all_reduce", axis, _nbytes(out), node, phase)
+    return out
+
+
+def _split(x, axis: AxisGroup, dim, node, phase):
+    return x.chunk(axis.size, dim)[axis.coordinate].clone()
+
+
+def _identity(x, axis, dim, node, phase):
+    return x.clone()
+
+
+def _mask(x, axis: AxisGroup, dim, node, phase):
+    return x.clone() if axis.coordinate == 0 else torch.zeros_like(x)
+
+
+_OPS = {
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "split": _split,
+    "identity": _identity,
+    "mask": _mask,
+}
+
+
+class _Pair(torch.autograd.Function):
+    """A forward op and the backward op that makes the pair exact."""
+
+    @staticmethod
+    def forward(ctx, x, forward, backward, axis, dim, node):
+        ctx.backward, ctx.axis, ctx.dim, ctx.node = backward, axis, dim, node
+        phase = "recompute" if _in_backward() else "forward"
+        return _OPS[forward](x, axis, dim, node, phase)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (
+            _OPS[ctx.backward](grad, ctx.axis, ctx.dim, ctx.node, "backward"),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _pair(x, forward, backward, axis, dim, node):
+    return _Pair.apply(x, forward, backward, current_mesh().axes[axis], dim, node)
+
+
+def all_gather(x, *, axis: str, dim: int, backward: str, node: str):
+    """Gather the shards of `dim` over `axis`; backward splits or reduce-scatters."""
+    return _pair(x, "all_gather", backward, axis, dim, node)
+
+
+def reduce_scatter(x, *, axis: str, dim: int, backward: str = "all_gather", node: str):
+    """Sum the partial values over `axis`, keeping this rank's part of `dim`."""
+    return _pair(x, "reduce_scatter", backward, axis, dim, node)
+
+
+def all_reduce(x, *, axis: str, backward: str, node: str):
+    """Sum the partial values over `axis`; backward is identity or all-reduce."""
+    return _pair(x, "all_reduce", backward, axis, None, node)
+
+
+def split(x, *, axis: str, dim: int, backward: str = "all_gather", node: str):
+    """Keep this rank's part of a replicated `dim` (free); backward all-gathers."""
+    return _pair(x, "split", backward, axis, dim, node)
+
+
+def grad_all_reduce(x, *, axis: str, backward: str = "all_reduce", node: str):
+    """Identity whose backward all-reduces: a replicated value entering split work."""
+    return _pair(x, "identity", backward, axis, None, node)
+
+
+def to_partial(x, *, axis: str, backward: str = "identity", node: str):
+    """A replicated value as a pending sum: kept on coordinate 0, zero elsewhere."""
+    return _pair(x, "mask", backward, axis, None, node)
+
+
+STEP_FUNCTIONS = {
+    "all_gather": all_gather,
+    "reduce_scatter": reduce_scatter,
+    "all_reduce": all_reduce,
+    "split": split,
+    "grad_all_reduce": grad_all_reduce,
+    "to_partial": to_partial,
+}
+
+
+@torch.no_grad()
+def gather_full(local: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch.Tensor:
+    """The global tensor from this rank's shard (a collective over the sharding axes)."""
+    mesh = current_mesh()
+    out = local
+    for d in range(len(dims)):
+        for axis in reversed(dims[d]):
+            group = mesh.axes[axis]
+            moved = out.movedim(d, 0).contiguous()
+            full = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))
+            dist.all_gather_single(full, moved, group=group.group)
+            out = full.movedim(0, d)
+    return out.contiguous()
+
+
+def local_part(full: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch.Tensor:
+    """This rank's shard of a global tensor (no communication)."""
+    mesh = current_mesh()
+    out = full
+    for d, axes in enumerate(dims):
+        for axis in axes:
+            out = out.chunk(mesh.axes[axis].size, d)[mesh.coordinate(axis)]
+    return out

@@ -1,0 +1,25 @@
+"""Errors autoshard raises. Each message names what is at fault and what to do."""
+
+
+class AutoshardError(Exception):
+    """Base class of every error autoshard raises on bad input."""
+
+
+class MeshError(AutoshardError):
+    """The mesh does not fit the process group or is malformed."""
+
+
+class TraceError(AutoshardError):
+    """torch.export could not trace the model."""
+
+
+class ShapeError(AutoshardError):
+    """A tensor dimension does not divide over the mesh axes that shard it."""
+
+
+class InputError(AutoshardError):
+    """Call-time inputs differ from the example inputs the module was planned for."""
+
+
+class StrategyError(AutoshardError):
+    """An unknown strategy name or a strategy that cannot be applied to a node."""

@@ -1,0 +1,217 @@
+"""How a tensor lies on the mesh, and the collectives that move it.
+
+A `Layout` says, for each tensor dimension, which mesh axes split it (outer
+axis first: with ``("a", "b")`` on dim 0, rank (i, j) holds chunk
+``i * size(b) + j``), and over which axes the value is a pending sum
+(``Partial``). Every other axis replicates the tensor. In the vocabulary of
+`torch.distributed.tensor`, `Layout.placements` gives one `Shard(dim)`,
+`Replicate()` or `Partial()` per mesh axis; the nesting order is the extra
+fact a 3D layout needs, since the 3D linear's reduce-scatter nests its axis
+inside whichever axis already splits the token dimension.
+
+Gradients follow the forward layout: a shard's gradient is a shard, a
+partial sum's gradient is replicated, and a replicated value's gradient is
+replicated, except at the input of an op that splits work over the axis,
+where it arrives partial (`redistribute`'s ``grad_partial``). `redistribute`
+turns one layout into another as a list of `Step`s, each a collective with
+the backward that keeps autograd exact:
+
+    >>> mesh = Mesh.from_shape((2, 2, 2))
+    >>> src = Layout((("a", "b"), ("c",)))          # tokens over a, b; features over c
+    >>> dst = Layout((("a",), ("c",)))               # gathered over b for a matmul
+    >>> [str(s) for s in redistribute(src, dst, (8, 16), 4, mesh, frozenset({"b"}))]
+    ['all_gather(b, dim=0) ↔ reduce_scatter']
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from autoshard.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+
+    @staticmethod
+    def replicated(ndim: int) -> Layout:
+        return Layout(((),) * ndim)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def sharded_axes(self) -> tuple[str, ...]:
+        return tuple(axis for dim in self.dims for axis in dim)
+
+    def dim_of(self, axis: str) -> int | None:
+        for d, axes in enumerate(self.dims):
+            if axis in axes:
+                return d
+        return None
+
+    def replicates(self, axis: str) -> bool:
+        return axis not in self.partial and self.dim_of(axis) is None
+
+    def normalized(self, mesh: Mesh) -> Layout:
+        """The same layout without size-1 axes, which split and sum nothing."""
+        keep = [n for n, s in zip(mesh.names, mesh.sizes) if s > 1]
+        return Layout(
+            tuple(tuple(a for a in axes if a in keep) for axes in self.dims),
+            tuple(a for a in mesh.names if a in self.partial and a in keep),
+        )
+
+    def shard_counts(self, mesh: Mesh) -> tuple[int, ...]:
+        return tuple(math.prod(mesh.size(a) for a in axes) for axes in self.dims)
+
+    def indivisible(self, shape, mesh: Mesh) -> str | None:
+        """Why `shape` cannot be split this way, or None when it can."""
+        for d, (size, count) in enumerate(zip(shape, self.shard_counts(mesh))):
+            if size % count:
+                axes = "×".join(f"{a}({mesh.size(a)})" for a in self.dims[d])
+                return f"dim {d} of size {size} does not divide over mesh axes {axes}"
+        return None
+
+    def local_shape(self, shape, mesh: Mesh) -> tuple[int, ...]:
+        return tuple(s // c for s, c in zip(shape, self.shard_counts(mesh)))
+
+    def placements(self, mesh: Mesh) -> tuple:
+        """One torch.distributed.tensor placement per mesh axis."""
+        out = []
+        for axis in mesh.names:
+            dim = self.dim_of(axis)
+            out.append(
+                Shard(dim)
+                if dim is not None
+                else Partial()
+                if axis in self.partial
+                else Replicate()
+            )
+        return tuple(out)
+
+    def __str__(self) -> str:
+        parts = [f"S{d}({','.join(axes)})" for d, axes in enumerate(self.dims) if axes]
+        if self.partial:
+            parts.append(f"P({','.join(self.partial)})")
+        return " ".join(parts) or "R"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or a free local split) with the backward that pairs with it.
+
+    ``nbytes`` is the size of the full buffer: an all-gather's gathered output,
+    a reduce-scatter's or all-reduce's unreduced input, a split's unsplit
+    input. The backward moves a buffer of the same size.
+    """
+
+    kind: str  # all_gather | reduce_scatter | all_reduce | split | grad_all_reduce | to_partial
+    axis: str
+    dim: int | None
+    backward: str  # split | reduce_scatter | all_gather | all_reduce | identity
+    nbytes: int
+    group_size: int
+
+    def ring_bytes(self, collective: str) -> float:
+        """Bytes a rank sends on a ring for `collective` of this buffer."""
+        n = self.group_size
+        return {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}.get(collective, 0) * (
+            (n - 1) / n * self.nbytes
+        )
+
+    @property
+    def forward_collective(self) -> str:
+        return {"split": "none", "grad_all_reduce": "none", "to_partial": "none"}.get(
+            self.kind, self.kind
+        )
+
+    @property
+    def backward_collective(self) -> str:
+        return (
+            self.backward
+            if self.backward in ("all_gather", "reduce_scatter", "all_reduce")
+            else "none"
+        )
+
+    def __str__(self) -> str:
+        where = f", dim={self.dim}" if self.dim is not None else ""
+        return f"{self.kind}({self.axis}{where}) ↔ {self.backward}"
+
+
+def redistribute(
+    src: Layout,
+    dst: Layout,
+    shape,
+    itemsize: int,
+    mesh: Mesh,
+    grad_partial: frozenset[str] = frozenset(),
+) -> list[Step]:
+    """The steps that turn a value laid out as `src` into `dst`.
+
+    `grad_partial` names the axes over which `dst` is replicated but its
+    consumer splits the work, so the gradient comes back partial and each
+    such axis's last step reduces it (reduce-scatter or all-reduce, or an
+    identity whose backward all-reduces).
+    """
+    grad_partial = {a for a in grad_partial if mesh.size(a) > 1}
+    dims = [list(axes) for axes in src.dims]
+    partial = [a for a in mesh.names if a in src.partial]
+    steps: list[tuple[str, str, int | None, int]] = []
+
+    def local_numel() -> int:
+        return math.prod(s // math.prod(mesh.size(a) for a in axes) for s, axes in zip(shape, dims))
+
+    for d, want in enumerate(dst.dims):
+        keep = 0
+        while keep < min(len(dims[d]), len(want)) and dims[d][keep] == want[keep]:
+            keep += 1
+        while len(dims[d]) > keep:
+            axis = dims[d].pop()
+            steps.append(("all_gather", axis, d, local_numel()))
+    for d, want in enumerate(dst.dims):
+        for axis in want[len(dims[d]) :]:
+            kind = "reduce_scatter" if axis in partial else "split"
+            if axis in partial:
+                partial.remove(axis)
+            steps.append((kind, axis, d, local_numel()))
+            dims[d].append(axis)
+    for axis in list(partial):
+        if axis not in dst.partial:
+            steps.append(("all_reduce", axis, None, local_numel()))
+            partial.remove(axis)
+    for axis in dst.partial:
+        if axis not in partial:
+            steps.append(("to_partial", axis, None, local_numel()))
+
+    last = {axis: i for i, (_, axis, _, _) in enumerate(steps)}
+    out = []
+    for i, (kind, axis, dim, numel) in enumerate(steps):
+        reduce_grad = axis in grad_partial and last[axis] == i
+        backward = {
+            "all_gather": "reduce_scatter" if reduce_grad else "split",
+            "all_reduce": "all_reduce" if reduce_grad else "identity",
+            "reduce_scatter": "all_gather",
+            "split": "all_gather",
+            "to_partial": "identity",
+        }[kind]
+        out.append(Step(kind, axis, dim, backward, numel * itemsize, mesh.size(axis)))
+    local_bytes = local_numel() * itemsize
+    for axis in mesh.names:
+        if axis in grad_partial and axis not in last:
+            out.append(
+                Step("grad_all_reduce", axis, None, "all_reduce", local_bytes, mesh.size(axis))
+            )
+    return out
+
+
+def steps_ring_bytes(steps: list[Step]) -> float:
+    """Forward plus backward bytes a rank sends for these steps."""
+    return sum(
+        s.ring_bytes(s.forward_collective) + s.ring_bytes(s.backward_collective) for s in steps
+    )

@@ -1,0 +1,208 @@
+"""The whole-model policy planner: one strategy per node, chosen in graph order.
+
+The user names a family per module (``"3d"``, ``"3d-allreduce"``,
+``"replicated"``, or a dict from module-path patterns to those); each linear
+takes the candidate of its family that costs the least communication given
+how its input is stored, and every other op follows its inputs. Parameters
+are stored the way their first consumer wants them; inputs arrive whole on
+every rank and are split on entry the way the first 3D linear reads them.
+
+    >>> plan = plan_graph(traced, Mesh.from_shape((2, 2, 2)), "3d")
+    >>> plan.nodes["linear"].strategy.detail
+    'M=a K=c N=b'
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+
+import torch
+from torch import fx
+
+from autoshard.errors import ShapeError, StrategyError
+from autoshard.layout import Layout, redistribute, steps_ring_bytes
+from autoshard.mesh import Mesh
+from autoshard.plan import NodePlan, Plan
+from autoshard.strategies import FAMILIES, Context, replicated_fallback, rule_for
+from autoshard.trace import Traced, module_path, tensor_inputs
+
+
+def check_strategy(strategy) -> None:
+    names = [strategy] if isinstance(strategy, str) else list((strategy or {}).values())
+    for name in names:
+        if name not in FAMILIES:
+            raise StrategyError(f"unknown strategy {name!r}: choose one of {', '.join(FAMILIES)}")
+
+
+def family_of(path: str, strategy) -> str:
+    """The family the user asked for at module `path`."""
+    if strategy is None:
+        return "3d"
+    if isinstance(strategy, str):
+        return strategy
+    for pattern, family in strategy.items():
+        if fnmatch.fnmatchcase(path, pattern):
+            return family
+    return strategy.get("*", "3d")
+
+
+def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
+    """How a model input is split on entry: tokens over the M (and N) axes, features over K,
+    as the first linear of `family` reads it with roles M=a, K=c, N=b."""
+    if family == "replicated" or val.ndim < 2 or not val.dtype.is_floating_point:
+        return Layout.replicated(val.ndim)
+    a, b, c = mesh.names
+    token_axes = (a, b) if family == "3d" else (a,)
+    dims = [[] for _ in range(val.ndim)]
+    local = list(val.shape)
+    for axis in token_axes:
+        for d in range(val.ndim - 1):
+            if local[d] % mesh.size(axis) == 0:
+                dims[d].append(axis)
+                local[d] //= mesh.size(axis)
+                break
+    if local[-1] % mesh.size(c) == 0:
+        dims[-1].append(c)
+    return Layout(tuple(tuple(d) for d in dims)).normalized(mesh)
+
+
+def _itemsize(node: fx.Node) -> int:
+    return node.meta["val"].element_size()
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _describe(node: fx.Node) -> str:
+    path = module_path(node)
+    return f"node '{node.name}' ({node.target}" + (f", module '{path}')" if path else ")")
+
+
+def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
+    check_strategy(strategy)
+    graph = traced.graph_module.graph
+    default_family = (
+        family_of("", strategy) if not isinstance(strategy, dict) else strategy.get("*", "3d")
+    )
+    stored: dict[fx.Node, Layout] = {}
+    needs_grad: dict[fx.Node, bool] = {}
+    storage: dict[str, Layout] = {}
+    entry_steps: dict[str, tuple] = {}
+    nodes: dict[str, NodePlan] = {}
+    notes: list[str] = []
+    output_steps: tuple = ()
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta["val"]
+            stored[node] = storage[node.name] = entry_layout(val, default_family, mesh)
+            whole = Layout.replicated(val.ndim)
+            entry_steps[node.name] = tuple(
+                redistribute(whole, stored[node], tuple(val.shape), val.element_size(), mesh)
+            )
+            needs_grad[node] = False
+        elif node.op == "get_attr":
+            tensor = traced.parameters[node.target]
+            needs_grad[node] = bool(tensor.requires_grad and tensor.is_floating_point())
+        elif node.op == "call_function":
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                raise StrategyError(
+                    f"{_describe(node)} returns {type(node.meta.get('val')).__name__}; "
+                    "autoshard plans ops with one tensor output"
+                )
+            inputs = tensor_inputs(node)
+            ctx = Context(
+                node,
+                mesh,
+                inputs,
+                [stored.get(n) for n in inputs],
+                family_of(module_path(node), strategy),
+            )
+            rule = rule_for(node.target)
+            candidates = rule(ctx) if rule else []
+            if not candidates:
+                if rule is not None:
+                    raise ShapeError(_no_fit_message(ctx, node, mesh))
+                message = f"no rule for {node.target} ({_describe(node)}): it runs replicated"
+                warnings.warn(message, stacklevel=3)
+                notes.append(message)
+                candidates = replicated_fallback(ctx)
+            nodes[node.name] = _place(node, ctx, candidates, stored, needs_grad, storage, mesh)
+        elif node.op == "output":
+            output_steps = tuple(
+                tuple(
+                    redistribute(
+                        stored[v], Layout.replicated(len(_shape(v))), _shape(v), _itemsize(v), mesh
+                    )
+                )
+                for v in tensor_inputs(node)
+            )
+    return Plan(mesh, nodes, storage, entry_steps, output_steps, notes)
+
+
+def _source(node: fx.Node, i: int, strategy, stored) -> Layout:
+    return stored.get(node) or strategy.storage_for(i)
+
+
+def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]:
+    steps = []
+    for i, inp in enumerate(ctx.inputs):
+        grad = strategy.grad_partial[i] if needs_grad[inp] else frozenset()
+        src = _source(inp, i, strategy, stored)
+        steps.append(redistribute(src, strategy.inputs[i], _shape(inp), _itemsize(inp), mesh, grad))
+    return steps
+
+
+def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan:
+    def cost(strategy) -> float:
+        steps = _input_steps(ctx, strategy, stored, needs_grad, mesh)
+        out = redistribute(strategy.output, strategy.stored, _shape(node), _itemsize(node), mesh)
+        return sum(steps_ring_bytes(s) for s in steps) + steps_ring_bytes(out)
+
+    strategy = min(candidates, key=cost)
+    for i, inp in enumerate(ctx.inputs):
+        problem = strategy.inputs[i].indivisible(_shape(inp), mesh)
+        if problem:
+            raise ShapeError(f"{_describe(node)}: input '{inp.name}' {problem}; {_ADVICE}")
+    problem = strategy.stored.indivisible(_shape(node), mesh)
+    if problem:
+        raise ShapeError(f"{_describe(node)}: output {problem}; {_ADVICE}")
+
+    in_steps = _input_steps(ctx, strategy, stored, needs_grad, mesh)
+    for i, inp in enumerate(ctx.inputs):
+        if inp not in stored:
+            stored[inp] = strategy.storage_for(i)
+            storage[inp.target] = stored[inp]
+    out_steps = redistribute(strategy.output, strategy.stored, _shape(node), _itemsize(node), mesh)
+    stored[node] = strategy.stored
+    needs_grad[node] = (
+        any(needs_grad[n] for n in ctx.inputs) and node.meta["val"].is_floating_point()
+    )
+    return NodePlan(
+        name=node.name,
+        op=str(node.target),
+        module=module_path(node),
+        shape=_shape(node),
+        local_shape=strategy.stored.local_shape(_shape(node), mesh),
+        strategy=strategy,
+        input_steps=tuple(tuple(s) for s in in_steps),
+        output_steps=tuple(out_steps),
+        input_needs_grad=tuple(needs_grad[n] for n in ctx.inputs),
+        needs_grad=needs_grad[node],
+    )
+
+
+_ADVICE = (
+    "use sizes divisible by the mesh axes that shard them, another mesh shape, "
+    "or strategy 'replicated' for this module"
+)
+
+
+def _no_fit_message(ctx: Context, node: fx.Node, mesh: Mesh) -> str:
+    shapes = ", ".join(f"{n.name}{list(_shape(n))}" for n in ctx.inputs)
+    return (
+        f"{_describe(node)}: no {ctx.family!r} layout on mesh {mesh} divides its tensors "
+        f"({shapes}); {_ADVICE}"
+    )

@@ -1,0 +1,140 @@
+"""Linear layers: the 3D families of DESIGN.md, and replicated.
+
+For ``Y = X·Wᵀ + b`` with X [*tokens, H] and W [O, H], each mesh axis takes
+one role: M splits a token dim, K splits H (the contraction), N splits O.
+The local product is a pending sum over K.
+
+- ``"3d"`` (all-gather / reduce-scatter): X is stored with tokens split over
+  M and N and gathered over N before the product; the output is
+  reduce-scattered over K onto a token dim, so every activation holds 1/N of
+  the tensor. W is stored split over K, N and M and gathered over M.
+- ``"3d-allreduce"``: X is stored tokens over M, features over K,
+  replicated over N; the output is all-reduced over K. W is stored split
+  over K and N; its gradient is all-reduced over M.
+- ``"replicated"``: every rank computes the whole layer.
+
+Which axis takes which role is left to the planner: each permutation is a
+candidate, so consecutive linears swap K and N where that saves a collective.
+"""
+
+from __future__ import annotations
+
+from itertools import permutations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+
+
+def _layout(ndim: int, placed: list[tuple[int, tuple[str, ...]]], partial=()) -> Layout:
+    dims = [()] * ndim
+    for d, axes in placed:
+        dims[d] = dims[d] + tuple(axes)
+    return Layout(tuple(dims), tuple(partial))
+
+
+def matmul_candidates(
+    ctx: Context, x: int, w: int, bias: int | None, w_out_dim: int, w_in_dim: int
+) -> list[Strategy]:
+    """Candidates for ``X @ W`` with X = input `x`, weight input `w` (its output dim
+    `w_out_dim`, contraction dim `w_in_dim`) and an optional bias input."""
+    mesh = ctx.mesh
+    x_nd = len(ctx.shape(x))
+    out_nd = len(ctx.out_shape)
+    feat = x_nd - 1
+    n_inputs = len(ctx.inputs)
+
+    def assemble(family, x_in, w_in, w_store, out, stored, bias_in, detail):
+        inputs = [None] * n_inputs
+        storage = [None] * n_inputs
+        inputs[x], inputs[w] = x_in, w_in
+        storage[w] = w_store
+        if bias is not None:
+            inputs[bias] = storage[bias] = bias_in
+        return make(
+            family,
+            [lay.normalized(mesh) for lay in inputs],
+            out.normalized(mesh),
+            stored.normalized(mesh),
+            relative_to={bias: stored.normalized(mesh)} if bias is not None else None,
+            storage=tuple(s.normalized(mesh) if s else None for s in storage),
+            epilogue=(bias,) if bias is not None else (),
+            detail=detail,
+        )
+
+    if ctx.family == "replicated":
+        rep = Layout.replicated
+        return [
+            assemble("replicated", rep(x_nd), rep(2), rep(2), rep(out_nd), rep(out_nd), rep(1), "R")
+        ]
+
+    incoming = ctx.layout(x)
+    candidates = []
+    for m, k, n in permutations(mesh.names):
+        # Token dims for M, then for the K scatter: the dim the incoming N shard sits on
+        # first, so that the next layer gathers where this one scattered.
+        token_dims = list(range(feat))
+        n_dim = incoming.dim_of(n)
+        scatter_dims = sorted(token_dims, key=lambda d: d != n_dim)
+        for dm in token_dims:
+            x_in = _layout(x_nd, [(dm, (m,)), (feat, (k,))])
+            w_in = _layout(2, [(w_out_dim, (n,)), (w_in_dim, (k,))])
+            out = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))], partial=(k,))
+            bias_in = _layout(1, [(0, (n,))])
+            roles = f"M={m} K={k} N={n}"
+            if ctx.family == "3d-allreduce":
+                stored = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))])
+                candidates.append(
+                    assemble("3d-allreduce", x_in, w_in, w_in, out, stored, bias_in, roles)
+                )
+                continue
+            for w_store in (
+                _layout(2, [(w_out_dim, (n, m)), (w_in_dim, (k,))]),
+                _layout(2, [(w_out_dim, (n,)), (w_in_dim, (k, m))]),
+                w_in,
+            ):
+                if not w_store.normalized(mesh).indivisible(ctx.shape(w), mesh):
+                    break
+            for dk in scatter_dims:
+                stored = _layout(out_nd, [(dm, (m,)), (dk, (k,)), (out_nd - 1, (n,))])
+                candidates.append(assemble("3d", x_in, w_in, w_store, out, stored, bias_in, roles))
+    return _valid(ctx, candidates)
+
+
+def _valid(ctx: Context, candidates: list[Strategy]) -> list[Strategy]:
+    """Drop candidates whose shards do not divide, and duplicates (size-1 axes)."""
+    seen, out = set(), []
+    for c in candidates:
+        shapes = [ctx.shape(i) for i in range(len(ctx.inputs))]
+        layouts = list(c.inputs) + [c.storage_for(i) for i in range(len(c.inputs))]
+        fits = all(
+            not lay.indivisible(shape, ctx.mesh) for lay, shape in zip(layouts, shapes + shapes)
+        ) and not c.stored.indivisible(ctx.out_shape, ctx.mesh)
+        key = (c.inputs, c.stored, tuple(c.storage_for(i) for i in range(len(c.inputs))))
+        if fits and key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+@register(aten.linear.default)
+def linear(ctx: Context) -> list[Strategy]:
+    bias = 2 if len(ctx.inputs) == 3 else None
+    return matmul_candidates(ctx, x=0, w=1, bias=bias, w_out_dim=0, w_in_dim=1)
+
+
+@register(aten.addmm.default)
+def addmm(ctx: Context) -> list[Strategy]:
+    # addmm(bias, x, w): GPT-2's Conv1D, W stored [H, O]
+    return matmul_candidates(ctx, x=1, w=2, bias=0, w_out_dim=1, w_in_dim=0)
+
+
+@register(aten.mm.default, aten.matmul.default)
+def matmul(ctx: Context) -> list[Strategy]:
+    if len(ctx.shape(1)) != 2 or ctx.inputs[1].op != "get_attr":
+        return replicated_fallback(ctx)  # a product of activations, not a layer
+    return matmul_candidates(ctx, x=0, w=1, bias=None, w_out_dim=1, w_in_dim=0)
+
+
+MATMUL_OPS = (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default)

@@ -1,0 +1,72 @@
+"""Pointwise ops follow their largest input; broadcast operands are split to match.
+
+An operand that broadcasts along a dim the output shards is replicated there:
+its gradient then comes back partial, which the planner reduces.
+"""
+
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies import Context, Strategy, make, register
+
+POINTWISE = (
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.rsub.Scalar,
+    aten.pow.Tensor_Scalar,
+    aten.neg.default,
+    aten.exp.default,
+    aten.log.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.abs.default,
+    aten.gelu.default,
+    aten.relu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+    aten.silu.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.to.dtype,
+    aten._to_copy.default,
+    aten.type_as.default,
+    aten.where.self,
+)
+
+
+def aligned(out: Layout, shape, out_shape) -> Layout:
+    """`out` as seen by an operand of `shape` broadcast to `out_shape`."""
+    offset = len(out_shape) - len(shape)
+    return Layout(
+        tuple(
+            out.dims[d + offset] if shape[d] == out_shape[d + offset] else ()
+            for d in range(len(shape))
+        )
+    )
+
+
+def follow(ctx: Context, lowering: str | None = None) -> list[Strategy]:
+    ndims = [len(ctx.shape(i)) for i in range(len(ctx.inputs))]
+    primary = ndims.index(max(ndims))
+    out = ctx.layout(primary)
+    inputs = [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(len(ctx.inputs))]
+    return [make("follow", inputs, out, lowering=lowering)]
+
+
+register(*POINTWISE)(follow)
+
+
+@register(aten.dropout.default)
+def dropout(ctx: Context) -> list[Strategy]:
+    # The mask is drawn for the global shape and sliced, so a sharded model drops
+    # exactly what the serial model drops from the same random state.
+    return follow(ctx, lowering="dropout")

@@ -1,0 +1,87 @@
+"""Trace a model into an ATen-level fx graph with global shapes.
+
+`torch.export.export(strict=False)` handles the models `symbolic_trace`
+cannot (Hugging Face transformers among them). Its graph takes parameters
+and buffers as inputs; we turn those back into `get_attr` nodes named by
+their original FQNs, so the graph reads like the model and the emitted
+program keeps the model's parameter names.
+
+    >>> traced = trace(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
+    >>> [n.op for n in traced.graph_module.graph.nodes]
+    ['get_attr', 'get_attr', 'placeholder', 'call_function', 'output']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autoshard.errors import TraceError
+
+
+@dataclass
+class Traced:
+    graph_module: fx.GraphModule
+    input_shapes: tuple[tuple[int, ...], ...]
+    out_spec: pytree.TreeSpec
+    parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
+    if not isinstance(example_inputs, tuple) or not all(
+        isinstance(t, torch.Tensor) for t in example_inputs
+    ):
+        raise TraceError("example_inputs must be a tuple of tensors with global shapes")
+    try:
+        exported = torch.export.export(model, example_inputs, strict=False)
+    except Exception as e:  # torch raises many kinds; all mean the same to the user
+        raise TraceError(
+            f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}\n"
+            "autoshard needs a graph with static control flow: move data-dependent "
+            "branches (Python `if` on tensor values, .item(), data-dependent shapes) out "
+            "of forward, or express them with torch.where / torch.cond."
+        ) from e
+
+    signature = exported.graph_signature
+    if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
+        raise TraceError(
+            f"{type(model).__name__} mutates buffers or inputs in forward "
+            f"({sorted(signature.buffers_to_mutate.values())}); autoshard plans pure forward passes"
+        )
+    state = dict(exported.state_dict)
+    state.update(exported.constants)
+    fqn_of = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    fqn_of.update(signature.inputs_to_lifted_tensor_constants)
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in fqn_of:
+            new = graph.get_attr(fqn_of[node.name])
+            new.meta = dict(node.meta)
+        else:
+            new = graph.node_copy(node, lambda n: env[n])
+        env[node] = new
+    graph.lint()
+    parameters = {fqn_of[name]: state[fqn_of[name]] for name in fqn_of}
+    graph_module = fx.GraphModule(parameters, graph)
+    out_spec = exported.call_spec.out_spec
+    return Traced(graph_module, tuple(tuple(t.shape) for t in example_inputs), out_spec, parameters)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued fx nodes among a node's arguments, in argument order."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [
+        a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+    ]
+
+
+def module_path(node: fx.Node) -> str:
+    """The FQN of the innermost module the node was traced in ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""

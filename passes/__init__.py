@@ -1,0 +1,31 @@
+"""Rewriting passes: each takes a GraphModule and the Plan, and returns a GraphModule.
+
+A pass never decides: what to do is in the plan. `emit` runs them in order:
+
+    insert collectives → localize → (per rank) shard parameters
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import fx
+
+from autoshard.plan import Plan
+from autoshard.trace import Traced
+from passes.insert_collectives import InsertCollectives
+from passes.localize import Localize
+from passes.shard_parameters import ShardParameters
+
+
+def emit(traced: Traced, plan: Plan) -> fx.GraphModule:
+    """The rank-independent program: collectives inserted, ops localized.
+    Its attributes are still the global parameters; `ShardParameters` swaps
+    in each rank's shards."""
+    gm = fx.GraphModule(traced.graph_module, copy.deepcopy(traced.graph_module.graph))
+    for rewrite in (InsertCollectives(plan), Localize(plan)):
+        gm = rewrite(gm)
+    return gm
+
+
+__all__ = ["InsertCollectives", "Localize", "ShardParameters", "emit"]

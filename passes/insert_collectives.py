@@ -1,0 +1,114 @@
+"""Write the plan's collectives into the graph, each a visible call naming its axis.
+
+For every node the plan places, the steps on each tensor input go just
+before it, and the node's own output steps (a 3D linear's reduce-scatter)
+just after it, followed by any epilogue input (the linear's bias, added once
+the partial sums are reduced). Model outputs are gathered to replicated.
+
+    # before
+    linear = aten.linear(x, w, b)
+    # after
+    all_gather = autoshard.comm.all_gather(x, axis='b', dim=0, backward='reduce_scatter', ...)
+    linear = aten.linear(all_gather, w)
+    reduce_scatter = autoshard.comm.reduce_scatter(linear, axis='c', dim=0, ...)
+    add = aten.add(reduce_scatter, b)
+"""
+
+from __future__ import annotations
+
+from torch import fx
+from torch.ops import aten
+from torch.utils import _pytree as pytree
+
+from autoshard.comm import STEP_FUNCTIONS
+from autoshard.layout import Step
+from autoshard.plan import Plan
+from autoshard.trace import tensor_inputs
+
+# A layer whose bias is added after its output collectives runs without it first.
+_WITHOUT_BIAS = {
+    aten.linear.default: lambda x, w, b=None: (aten.linear.default, (x, w)),
+    aten.addmm.default: lambda b, x, w: (aten.mm.default, (x, w)),
+}
+
+
+def _apply_steps(graph: fx.Graph, value: fx.Node, steps: tuple[Step, ...], node: str) -> fx.Node:
+    val = value.meta.get("val")
+    for step in steps:
+        kwargs = {"axis": step.axis}
+        if step.dim is not None:
+            kwargs["dim"] = step.dim
+        kwargs.update(backward=step.backward, node=node)
+        value = graph.call_function(STEP_FUNCTIONS[step.kind], (value,), kwargs)
+        value.meta["val"] = val  # the global value, so later passes still see a tensor here
+    return value
+
+
+def _replace_tensor_args(node: fx.Node, replacements: list[fx.Node]) -> None:
+    tensor_args = iter(replacements)
+    originals = set(tensor_inputs(node))
+
+    def swap(a):
+        return next(tensor_args) if isinstance(a, fx.Node) and a in originals else a
+
+    node.args, node.kwargs = pytree.tree_map(swap, (node.args, node.kwargs))
+
+
+class InsertCollectives:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        graph = gm.graph
+        for node in list(graph.nodes):
+            if node.op == "placeholder":
+                with graph.inserting_before(node.next):
+                    entry = _apply_steps(graph, node, self.plan.entry_steps[node.name], node.name)
+                self._replace_uses(node, entry)
+            elif node.op == "call_function" and node.name in self.plan.nodes:
+                self._rewrite(graph, node)
+            elif node.op == "output":
+                with graph.inserting_before(node):
+                    outs = [
+                        _apply_steps(graph, v, steps, "output")
+                        for v, steps in zip(tensor_inputs(node), self.plan.output_steps)
+                    ]
+                _replace_tensor_args(node, outs)
+        graph.lint()
+        gm.recompile()
+        return gm
+
+    def _rewrite(self, graph: fx.Graph, node: fx.Node) -> None:
+        placed = self.plan.nodes[node.name]
+        inputs = tensor_inputs(node)
+        with graph.inserting_before(node):
+            converted = [
+                _apply_steps(graph, v, steps, node.name)
+                for v, steps in zip(inputs, placed.input_steps)
+            ]
+        _replace_tensor_args(node, converted)
+        epilogue = [converted[i] for i in placed.strategy.epilogue]
+        if epilogue:
+            node.target, node.args = _WITHOUT_BIAS[node.target](*node.args)
+        if not placed.output_steps and not epilogue:
+            return
+        with graph.inserting_before(node.next):
+            out = _apply_steps(graph, node, placed.output_steps, node.name)
+            for bias in epilogue:
+                out = graph.call_function(aten.add.Tensor, (out, bias))
+                out.meta["val"] = node.meta["val"]
+        self._replace_uses(node, out)
+
+    @staticmethod
+    def _replace_uses(node: fx.Node, new: fx.Node) -> None:
+        if new is not node:
+            node.replace_all_uses_with(
+                new, delete_user_cb=lambda user: user is not _first_user(new, node)
+            )
+
+
+def _first_user(last: fx.Node, origin: fx.Node) -> fx.Node:
+    """The node of the chain `origin → … → last` that reads `origin` directly."""
+    while last.args and last.args[0] is not origin:
+        last = last.args[0]
+    return last

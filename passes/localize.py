@@ -1,0 +1,57 @@
+"""Make every node compute on local shards.
+
+ATen ops mostly work on shards unchanged. The ones that do not are either
+given their local shape arguments, or lowered to the implementation in
+`autoshard.ops` their strategy names:
+
+    # before                                      # after (features split over c)
+    layer_norm = aten.layer_norm(x, [16], w, b)   layer_norm = autoshard.ops.layer_norm(
+                                                      x, w, b, 1e-05, normalized_ndim=1,
+                                                      axes=('c',), node='layer_norm')
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import fx
+
+from autoshard import ops
+from autoshard.mesh import Mesh
+from autoshard.plan import NodePlan, Plan
+
+
+def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    x, normalized_shape, weight, bias, eps = (list(node.args) + [None, None, 1e-5])[:5]
+    k = len(normalized_shape)
+    axes = tuple(a for dim in placed.strategy.inputs[0].dims[-k:] for a in dim)
+    node.target = ops.layer_norm
+    node.args = (x, weight, bias, eps)
+    node.kwargs = {"normalized_ndim": k, "axes": axes, "node": node.name}
+
+
+def _dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    node.target = ops.dropout
+    node.kwargs = {"shape": placed.shape, "dims": placed.strategy.stored.dims}
+
+
+def _mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    scale = 1 / math.prod(mesh.size(a) for a in placed.strategy.output.partial)
+    node.target = ops.mean
+    node.kwargs = {**node.kwargs, "scale": scale}
+
+
+_LOWERINGS = {"layer_norm": _layer_norm, "dropout": _dropout, "mean": _mean}
+
+
+class Localize:
+    def __init__(self, plan: Plan):
+        self.plan = plan
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        for node in gm.graph.nodes:
+            placed = self.plan.nodes.get(node.name)
+            if placed is not None and placed.strategy.lowering:
+                _LOWERINGS[placed.strategy.lowering](node, placed, self.plan.mesh)
+        gm.recompile()
+        return gm

@@ -1,0 +1,129 @@
+"""The `autoshard show` command: plan, summary, program and shards, errors (no processes)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from autoshard.cli import main, parse_mesh, rank_coordinate, shard_slices, slice_text
+from autoshard.layout import Layout
+from autoshard.mesh import Mesh
+
+MLP = str(Path(__file__).parents[1] / "examples/mlp.py")
+
+
+def show(capsys, *args: str) -> str:
+    assert main(["show", f"{MLP}:mlp", *args]) == 0
+    return capsys.readouterr().out
+
+
+def plan_section(out: str) -> str:
+    """The plan table: from its title to the communication summary."""
+    return out[out.index("plan") : out.index("predicted communication")]
+
+
+def holds(out: str, parameter: str) -> str:
+    line = next(l for l in out.splitlines() if l.strip().startswith(parameter + " "))
+    return line.split()[-1] if "," not in line else line[line.index("rows") :].strip()
+
+
+def test_show_3d(capsys):
+    out = show(capsys, "--mesh", "2x2x2")
+    assert "MLP" in out and "2×2×2" in out
+    plan = plan_section(out)
+    for node in ("layer_norm", "linear", "linear_1", "gelu", "add_2", "linear_6"):
+        assert re.search(rf"^ {node} ", plan, re.MULTILINE), node
+    assert "3d M=a K=c N=b" in plan  # family and roles of the first linear
+    assert "all_gather(b) 512 B ↔ reduce_scatter" in plan
+    assert "reduce_scatter(c) 2.0 KiB ↔ all_gather" in plan
+    summary = out[out.index("predicted communication") :]
+    assert "total" in summary and "reduce_scatter" in summary
+    assert "rank 0's program" in out
+    assert "autoshard_comm_all_gather(" in out and "autoshard_comm_reduce_scatter(" in out
+    assert "layers.0.fc1.weight" in out and "rows 0:16, cols 0:8" in out
+
+
+def test_rank_changes_shards(capsys):
+    first = show(capsys, "--mesh", "2x2x2", "--rank", "0")
+    last = show(capsys, "--mesh", "2x2x2", "--rank", "7")
+    assert "rank 7's program (mesh coordinate a=1, b=1, c=1)" in last
+    # fc1.weight is S0(b,a) S1(c): rank 7 holds chunk 1*2+1 = 3 of 4 row chunks of 16
+    assert holds(first, "layers.0.fc1.weight") == "rows 0:16, cols 0:8"
+    assert holds(last, "layers.0.fc1.weight") == "rows 48:64, cols 8:16"
+    assert holds(last, "layers.0.norm.weight") == "8:16"
+
+
+def test_replicated_has_no_collectives(capsys):
+    out = show(capsys, "--mesh", "2x2x2", "--strategy", "replicated", "--no-code")
+    plan = plan_section(out)
+    assert "replicated" in plan
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "split("):
+        assert kind not in plan
+    assert "none (no collectives" in out
+    assert "def forward" not in out
+
+
+def test_strategy_json_and_other_mesh(capsys):
+    out = show(capsys, "--mesh", "1x2x4", "--strategy", '{"layers.*.fc1": "replicated"}')
+    assert "1×2×4" in out
+    fc1 = next(l for l in plan_section(out).splitlines() if l.startswith(" linear "))
+    assert "replicated" in fc1
+    assert "def forward" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--mesh", "2x3x"], "--mesh '2x3x' is not a mesh shape"),
+        (["--mesh", "2x2x2", "--strategy", "fancy"], "--strategy 'fancy' is not a strategy"),
+        (["--mesh", "2x2x2", "--rank", "8"], "--rank 8 is not on the mesh"),
+        (["--mesh", "3x3x3"], "ShapeError"),
+    ],
+)
+def test_bad_arguments_exit_2(capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        main(["show", f"{MLP}:mlp", *args])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (str(Path(__file__).parents[1] / "examples/missing.py") + ":mlp", "no file at"),
+        (f"{MLP}:nothing", "defines no 'nothing'"),
+        (MLP, "is not of the form path/to/file.py:factory"),
+    ],
+)
+def test_bad_model_exits_2(capsys, model, message):
+    with pytest.raises(SystemExit) as exit:
+        main(["show", model, "--mesh", "2x2x2"])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_helpers():
+    assert parse_mesh("2x2x2") == (2, 2, 2) and parse_mesh("1×2×4") == (1, 2, 4)
+    mesh = Mesh.from_shape((2, 2, 2))
+    assert rank_coordinate(mesh, 6) == {"a": 1, "b": 1, "c": 0}
+    layout = Layout((("b", "a"), ("c",)))
+    coord = rank_coordinate(mesh, 5)  # a=1, b=0, c=1: row chunk 0*2+1 = 1
+    slices = shard_slices((64, 16), layout, mesh, coord)
+    assert slices == [(16, 32), (8, 16)]
+    assert slice_text((64, 16), slices) == "rows 16:32, cols 8:16"
+    assert slice_text((16,), [(0, 16)]) == "all"
+
+
+def test_summary_matches_plan_prediction():
+    from autoshard.api import plan
+    from autoshard.cli import predicted
+    from autoshard.testing import load_factory
+
+    model, inputs = load_factory(f"{MLP}:mlp")()
+    the_plan = plan(model, (2, 2, 2), inputs)
+    rows = predicted(the_plan)
+    assert sum(nbytes for _, nbytes, _ in rows.values()) == sum(the_plan.predicted_comm().values())
+    assert all(calls > 0 and ring > 0 for calls, _, ring in rows.values())
+    assert {phase for _, _, phase in rows} == {"forward", "backward"}

@@ -1,0 +1,70 @@
+"""Bad input gets a clear exception naming the cause, on every rank, and never a hang."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.ranks import RankError, shared_pool
+from autoshard.testing import load_factory
+
+MODELS = str(Path(__file__).parent / "models.py")
+
+
+def _load(name):
+    return load_factory(f"{MODELS}:{name}")()
+
+
+def test_unknown_strategy():
+    model, inputs = _load("mlp")
+    with pytest.raises(autoshard.StrategyError, match="unknown strategy '4d'"):
+        autoshard.plan(model, (2, 2, 2), inputs, strategy="4d")
+    with pytest.raises(autoshard.StrategyError, match="'tp'"):
+        autoshard.plan(model, (2, 2, 2), inputs, strategy={"layers.*": "tp"})
+
+
+def test_mesh_of_four_axes():
+    model, inputs = _load("mlp")
+    with pytest.raises(autoshard.MeshError, match=r"\(2, 2, 2, 2\)"):
+        autoshard.plan(model, (2, 2, 2, 2), inputs)
+
+
+def test_untraceable_model_names_the_fix():
+    model, inputs = _load("branchy")
+    with pytest.raises(autoshard.TraceError, match="Branchy.*data-dependent"):
+        autoshard.plan(model, (2, 2, 2), inputs)
+
+
+def test_indivisible_dim_names_node_module_and_sizes():
+    model, inputs = _load("indivisible_mlp")
+    with pytest.raises(autoshard.ShapeError, match=r"'linear'.*layers\.0\.fc1.*\[8, 4, 5\]"):
+        autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    autoshard.plan(model, (2, 2, 2), inputs, strategy="replicated")  # replicated always fits
+
+
+def test_parallelize_without_a_process_group():
+    model, inputs = _load("mlp")
+    with pytest.raises(autoshard.MeshError, match="initialized torch.distributed"):
+        autoshard.parallelize(model, None, inputs)
+
+
+def _mesh_smaller_than_world(mesh):
+    model, inputs = _load("mlp")
+    autoshard.parallelize(model, mesh["c"], inputs)
+
+
+def _inputs_of_another_shape(mesh):
+    model, inputs = _load("mlp")
+    parallel = autoshard.parallelize(model, mesh, inputs)
+    parallel(torch.randn(4, 4, 16))
+
+
+def test_mesh_size_must_equal_world_size():
+    with pytest.raises(RankError, match="MeshError: the mesh has 2 devices .* 8 ranks"):
+        shared_pool(8).run(_mesh_smaller_than_world, (2, 2, 2))
+
+
+def test_call_with_inputs_of_another_shape():
+    with pytest.raises(RankError, match=r"InputError: inputs of shapes \[\(4, 4, 16\)\]"):
+        shared_pool(8).run(_inputs_of_another_shape, (2, 2, 2))
