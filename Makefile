@@ -20,7 +20,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install '$(TORCH)'
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,hf]'
 	touch $@
 
 lint: install

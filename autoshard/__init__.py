@@ -1,9 +1,9 @@
 """autoshard: plan and emit 3D tensor-parallel programs for PyTorch models.
 
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
-    parallel = autoshard.parallelize(model, mesh, (x,), strategy="3d")
-    loss = parallel(x)          # every rank passes the full input, gets the full output
-    print(parallel.code)        # the rewritten program, collectives included
+mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+parallel = autoshard.parallelize(model, mesh, (x,), strategy="3d")
+loss = parallel(x)          # every rank passes the full input, gets the full output
+print(parallel.code)        # the rewritten program, collectives included
 """
 
 from autoshard.api import ParallelModule, parallelize, plan

@@ -72,6 +72,7 @@ class ParallelModule(torch.nn.Module):
         self.plan = plan
         self._mesh = mesh
         self._input_shapes = traced.input_shapes
+        self._aliases = traced.aliases
         self._out_spec = traced.out_spec
         for name, child in program.named_children():
             self.add_module(name, child)
@@ -100,10 +101,12 @@ class ParallelModule(torch.nn.Module):
         out = {}
         with comm.bound(self._mesh):
             for fqn, local in tensors.items():
-                layout = self.plan.storage.get(fqn) or Layout.replicated(
-                    local.ndim if local is not None else 0
-                )
-                out[fqn] = None if local is None else comm.gather_full(local, layout.dims)
+                full = None
+                if local is not None:
+                    layout = self.plan.storage.get(fqn) or Layout.replicated(local.ndim)
+                    full = comm.gather_full(local, layout.dims)
+                for name in self._aliases.get(fqn, (fqn,)):
+                    out[name] = full
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

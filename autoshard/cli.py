@@ -1,8 +1,9 @@
-"""The `autoshard` command: look at a plan without running anything.
+"""The `autoshard` command: look at a plan without running anything, measure hardware.
 
     autoshard show examples/mlp.py:mlp --mesh 2x2x2
     autoshard show examples/mlp.py:mlp --mesh 1x2x4 --strategy 3d-allreduce --rank 5
     autoshard show examples/mlp.py:mlp --mesh 2x2x2 --strategy '{"layers.*.fc1": "replicated"}'
+    autoshard calibrate --mesh 2x2x2 --out profile.json
 
 `show` traces the model that a factory in a Python file builds, plans it for
 the mesh (no processes, no devices) and prints, with rich: a header (model,
@@ -10,6 +11,10 @@ mesh, strategy, how much of the parameters each rank holds), the plan (one
 row per node: strategy, shapes, stored layout, collectives), the predicted
 communication per collective kind, axis and phase, the planner's warnings,
 and the program one rank runs, with the parameter shards that rank holds.
+
+`calibrate` measures α and β per mesh axis and the matmul rate on a live
+mesh (local gloo ranks, or the ranks of a `torchrun` launch), prints them and
+writes a hardware profile (`autoshard.calibrate`).
 
 Bad input (a malformed MODEL or --mesh, a missing file, anything autoshard
 refuses with an `AutoshardError`) prints one red line and exits with status 2.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -467,6 +473,52 @@ def show(args, console: Console) -> None:
     console.print(Syntax(code, "python", word_wrap=True, background_color="default"))
 
 
+# ---------------------------------------------------------------------------- calibrate
+
+
+def _link_cells(link) -> list[str]:
+    return [f"{link.alpha * 1e6:.1f} µs", f"{link.beta / 1e9:.2f} GB/s"]
+
+
+def calibrate(args, console: Console) -> None:
+    import torch.distributed as dist
+
+    from autoshard import calibrate as calibration
+    from autoshard.hardware import Hardware
+
+    shape = parse_mesh(args.mesh)
+    base = Hardware.load(args.base)  # an unknown base fails before any process starts
+    joined = "RANK" in os.environ and not dist.is_initialized()  # launched by torchrun
+    if joined:
+        dist.init_process_group()
+    try:
+        measured = calibration.calibrate(shape, base=base)
+    finally:
+        if joined:
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) != 0:  # every rank has the same profile; one writes it
+        return
+    mesh = Mesh.from_shape(shape)
+    table = Table(
+        title=f"measured on mesh {mesh} (base profile {base.name!r})",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+    )
+    for column in ("axis", "size", "α measured", "β measured", "α base", "β base"):
+        table.add_column(column, justify="left" if column == "axis" else "right")
+    for name, size, link, before in zip(mesh.names, mesh.sizes, measured.axes, base.axes):
+        cells = _link_cells(link) if size > 1 else ["—", "—"]  # a size-1 axis keeps the base's
+        table.add_row(name, str(size), *cells, *_link_cells(before))
+    console.print(table)
+    rate = measured.peak("float32") * measured.efficiency
+    console.print(
+        f"float32 matmul: {rate / 1e9:.1f} GFLOP/s per rank "
+        f"(peak {measured.peak('float32') / 1e9:.1f} GFLOP/s at efficiency {measured.efficiency})"
+    )
+    measured.save(args.out)
+    console.print(f"wrote {args.out}")
+
+
 # ---------------------------------------------------------------------------- entry point
 
 
@@ -497,6 +549,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank", type=int, default=0, help="whose program and shards to print (default: 0)"
     )
     show_parser.add_argument("--no-code", action="store_true", help="leave out the program")
+    calibrate_parser = commands.add_parser(
+        "calibrate",
+        help="measure alpha and beta per mesh axis and write a hardware profile",
+        description="Time collectives over each axis of a live mesh and a matmul on every rank, "
+        "fit alpha and beta per axis, print them and write a hardware profile (JSON) that "
+        "--hardware accepts. Without torchrun it spawns the ranks locally (gloo on CPU); under "
+        "torchrun every rank runs it and rank 0 prints and writes.",
+    )
+    calibrate_parser.add_argument(
+        "--mesh", required=True, help="mesh shape, e.g. 2x2x2 (axes a, b, c)"
+    )
+    calibrate_parser.add_argument(
+        "--out", default="profile.json", help="where to write the profile (default: profile.json)"
+    )
+    calibrate_parser.add_argument(
+        "--base",
+        default="cpu-gloo",
+        help="preset or profile for what is not measured (default: cpu-gloo)",
+    )
     return parser
 
 
@@ -512,6 +583,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "show":
             show(args, console)
+        elif args.command == "calibrate":
+            calibrate(args, console)
     except (UsageError, AutoshardError) as e:
         message = " ".join(str(e).split())
         prefix = "" if isinstance(e, UsageError) else f"{type(e).__name__}: "

@@ -238,6 +238,16 @@ def to_partial(x, *, axis: str, backward: str = "identity", node: str):
     return _pair(x, "mask", backward, axis, None, node)
 
 
+@torch.no_grad()
+def all_reduce_max(x, *, axis: str, node: str):
+    """Elementwise maximum over `axis` (no gradient: used to stabilize exponentials)."""
+    group = current_mesh().axes[axis]
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.group)
+    _record("all_reduce", group, _nbytes(out), node, "recompute" if _in_backward() else "forward")
+    return out
+
+
 STEP_FUNCTIONS = {
     "all_gather": all_gather,
     "reduce_scatter": reduce_scatter,

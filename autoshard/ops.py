@@ -48,7 +48,7 @@ def dropout(x, p: float, train: bool, *, shape: tuple[int, ...], dims: tuple[tup
     if p == 1:
         return x * torch.zeros_like(x)
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    return x * comm.local_part(noise, dims)
+    return x * comm.local_part(noise, dims).clone()  # keep only the local part alive
 
 
 def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
@@ -56,3 +56,63 @@ def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
     (local mean × local count / global count), to be all-reduced."""
     out = torch.mean(x, **kwargs) if dim is None else torch.mean(x, dim, keepdim, **kwargs)
     return out * scale
+
+
+def _chunk_start(size: int, axes: tuple[str, ...]) -> tuple[int, int]:
+    """(first index, length) of this rank's chunk of a dim of `size` split over `axes`."""
+    mesh = comm.current_mesh()
+    index, count = 0, 1
+    for axis in axes:
+        n = mesh.axes[axis].size
+        index, count = index * n + mesh.coordinate(axis), count * n
+    length = size // count
+    return index * length, length
+
+
+def vocab_embedding(weight, ids, *args, vocab_size: int, vocab_axes: tuple[str, ...]):
+    """Look up the ids in this rank's rows of the table; zeros for ids held elsewhere.
+    The result is this rank's share of a sum over `vocab_axes`."""
+    start, length = _chunk_start(vocab_size, vocab_axes)
+    local = ids - start
+    held = (local >= 0) & (local < length)
+    rows = torch.nn.functional.embedding(local * held, weight)
+    return rows * held.unsqueeze(-1).to(rows.dtype)
+
+
+def cross_entropy(
+    logits,
+    target,
+    *args,
+    vocab_size: int,
+    vocab_axes: tuple[str, ...],
+    token_axes: tuple[str, ...],
+    node: str,
+    ignore_index: int = -100,
+    reduction: int = 1,
+):
+    """Mean (reduction=1) or sum (2) cross-entropy of [tokens, vocab] logits whose
+    vocabulary is split over `vocab_axes` and tokens over `token_axes`."""
+
+    def total(t, axes, backward="identity"):
+        for axis in axes:
+            t = comm.all_reduce(t, axis=axis, backward=backward, node=node)
+        return t
+
+    with torch.no_grad():
+        row_max = logits.max(dim=-1).values
+        for axis in vocab_axes:
+            row_max = comm.all_reduce_max(row_max, axis=axis, node=node)
+    shifted = logits - row_max.unsqueeze(-1)
+    sum_exp = total(shifted.exp().sum(-1), vocab_axes)
+    start, length = _chunk_start(vocab_size, vocab_axes)
+    local = target - start
+    held = (local >= 0) & (local < length)
+    picked = shifted.gather(-1, (local * held).unsqueeze(-1)).squeeze(-1) * held
+    target_logit = total(picked, vocab_axes)
+    valid = target != ignore_index
+    per_token = (torch.log(sum_exp) - target_logit) * valid
+    loss = total(per_token.sum(), token_axes)
+    if reduction == 2:
+        return loss
+    count = total(valid.sum().to(logits.dtype), token_axes)
+    return loss / count

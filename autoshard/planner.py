@@ -15,6 +15,8 @@ every rank and are split on entry the way the first 3D linear reads them.
 from __future__ import annotations
 
 import fnmatch
+import math
+import operator
 import warnings
 
 import torch
@@ -24,7 +26,7 @@ from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
 from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
-from autoshard.strategies import FAMILIES, Context, replicated_fallback, rule_for
+from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback, rule_for
 from autoshard.trace import Traced, module_path, tensor_inputs
 
 
@@ -106,12 +108,11 @@ def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
         elif node.op == "get_attr":
             tensor = traced.parameters[node.target]
             needs_grad[node] = bool(tensor.requires_grad and tensor.is_floating_point())
-        elif node.op == "call_function":
-            if not isinstance(node.meta.get("val"), torch.Tensor):
-                raise StrategyError(
-                    f"{_describe(node)} returns {type(node.meta.get('val')).__name__}; "
-                    "autoshard plans ops with one tensor output"
-                )
+        elif node.op == "call_function" and node.target is operator.getitem:
+            parent, index = node.args
+            stored[node] = stored[parent][index]
+            needs_grad[node] = needs_grad[parent]
+        elif node.op == "call_function" and node.meta.get("val") is not None:
             inputs = tensor_inputs(node)
             ctx = Context(
                 node,
@@ -156,17 +157,24 @@ def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]
 
 
 def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan:
-    def cost(strategy) -> float:
+    multi = not is_tensor(node)
+
+    def cost(strategy) -> tuple[float, int]:
+        """Bytes sent, then (to break ties) the elements this rank keeps."""
         steps = _input_steps(ctx, strategy, stored, needs_grad, mesh)
+        sent = sum(steps_ring_bytes(s) for s in steps)
+        if multi:
+            return sent, 0
         out = redistribute(strategy.output, strategy.stored, _shape(node), _itemsize(node), mesh)
-        return sum(steps_ring_bytes(s) for s in steps) + steps_ring_bytes(out)
+        kept = math.prod(strategy.stored.local_shape(_shape(node), mesh))
+        return sent + steps_ring_bytes(out), kept
 
     strategy = min(candidates, key=cost)
     for i, inp in enumerate(ctx.inputs):
         problem = strategy.inputs[i].indivisible(_shape(inp), mesh)
         if problem:
             raise ShapeError(f"{_describe(node)}: input '{inp.name}' {problem}; {_ADVICE}")
-    problem = strategy.stored.indivisible(_shape(node), mesh)
+    problem = not multi and strategy.stored.indivisible(_shape(node), mesh)
     if problem:
         raise ShapeError(f"{_describe(node)}: output {problem}; {_ADVICE}")
 
@@ -175,17 +183,21 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan
         if inp not in stored:
             stored[inp] = strategy.storage_for(i)
             storage[inp.target] = stored[inp]
-    out_steps = redistribute(strategy.output, strategy.stored, _shape(node), _itemsize(node), mesh)
-    stored[node] = strategy.stored
-    needs_grad[node] = (
-        any(needs_grad[n] for n in ctx.inputs) and node.meta["val"].is_floating_point()
-    )
+    first = node.meta["val"][0] if multi else node.meta["val"]
+    needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and first.is_floating_point()
+    if multi:
+        stored[node] = strategy.outputs
+        out_steps, shape = [], ()
+    else:
+        stored[node] = strategy.stored
+        shape = _shape(node)
+        out_steps = redistribute(strategy.output, strategy.stored, shape, _itemsize(node), mesh)
     return NodePlan(
         name=node.name,
         op=str(node.target),
         module=module_path(node),
-        shape=_shape(node),
-        local_shape=strategy.stored.local_shape(_shape(node), mesh),
+        shape=shape,
+        local_shape=strategy.stored.local_shape(shape, mesh),
         strategy=strategy,
         input_steps=tuple(tuple(s) for s in in_steps),
         output_steps=tuple(out_steps),

@@ -28,6 +28,7 @@ class Traced:
     input_shapes: tuple[tuple[int, ...], ...]
     out_spec: pytree.TreeSpec
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
+    aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
@@ -57,20 +58,50 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     fqn_of = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     fqn_of.update(signature.inputs_to_lifted_tensor_constants)
 
+    # Tied weights reach the graph once per name: give them one node, named as the model
+    # first names the tensor, so that they stay one parameter with one gradient.
+    aliases = _aliases(model, [fqn_of[name] for name in fqn_of])
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, fx.Node] = {}
     for node in exported.graph.nodes:
         if node.op == "placeholder" and node.name in fqn_of:
-            new = graph.get_attr(fqn_of[node.name])
-            new.meta = dict(node.meta)
+            fqn = aliases[fqn_of[node.name]][0]
+            if fqn not in attrs:
+                attrs[fqn] = graph.get_attr(fqn)
+                attrs[fqn].meta = dict(node.meta)
+            env[node] = attrs[fqn]
         else:
-            new = graph.node_copy(node, lambda n: env[n])
-        env[node] = new
+            env[node] = graph.node_copy(node, lambda n: env[n])
     graph.lint()
-    parameters = {fqn_of[name]: state[fqn_of[name]] for name in fqn_of}
+    parameters = {
+        fqn: state[fqn] if fqn in state else state[_first_in(aliases[fqn], state)] for fqn in attrs
+    }
     graph_module = fx.GraphModule(parameters, graph)
     out_spec = exported.call_spec.out_spec
-    return Traced(graph_module, tuple(tuple(t.shape) for t in example_inputs), out_spec, parameters)
+    shapes = tuple(tuple(t.shape) for t in example_inputs)
+    return Traced(graph_module, shapes, out_spec, parameters, {f: aliases[f] for f in attrs})
+
+
+def _first_in(names, state) -> str:
+    return next(n for n in names if n in state)
+
+
+def _aliases(model: torch.nn.Module, fqns) -> dict[str, tuple[str, ...]]:
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    out = {}
+    for fqn in fqns:
+        try:
+            tensor = model.get_parameter(fqn)
+        except AttributeError:
+            tensor = model.get_buffer(fqn) if fqn in dict(model.named_buffers()) else None
+        out[fqn] = tuple(names.get(id(tensor), [fqn]))
+    return out
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from torch import fx
+from torch.ops import aten
 
 from autoshard import ops
 from autoshard.mesh import Mesh
@@ -41,7 +42,54 @@ def _mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     node.kwargs = {**node.kwargs, "scale": scale}
 
 
-_LOWERINGS = {"layer_norm": _layer_norm, "dropout": _dropout, "mean": _mean}
+def _shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """Views and expands name their output shape: give them the local one."""
+    local = list(placed.strategy.stored.local_shape(placed.shape, mesh))
+    if node.target == aten.unflatten.int:
+        x, dim, sizes = node.args
+        dim %= len(placed.shape) - len(sizes) + 1
+        node.args = (x, dim, local[dim : dim + len(sizes)])
+    elif node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        # a shard may not be laid out in memory as the global tensor was: reshape, not view
+        node.target = aten.reshape.default
+        node.args = (node.args[0], local)
+    elif node.target == aten.expand.default:
+        node.args = (node.args[0], local, *node.args[2:])
+
+
+def _vocab_embedding(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    weight, ids = node.args[:2]
+    node.target = ops.vocab_embedding
+    node.args = (weight, ids)
+    node.kwargs = {
+        "vocab_size": weight.meta["val"].shape[0],
+        "vocab_axes": placed.strategy.inputs[0].dims[0],
+    }
+
+
+def _cross_entropy(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    logits, target, _weight, reduction, ignore_index = (list(node.args) + [None, 1, -100])[:5]
+    tokens, vocab = placed.strategy.inputs[0].dims
+    node.target = ops.cross_entropy
+    node.args = (logits, target)
+    node.kwargs = {
+        "vocab_size": logits.meta["val"].shape[-1],
+        "vocab_axes": vocab,
+        "token_axes": tokens,
+        "node": node.name,
+        "ignore_index": ignore_index,
+        "reduction": reduction,
+    }
+
+
+_LOWERINGS = {
+    "layer_norm": _layer_norm,
+    "dropout": _dropout,
+    "mean": _mean,
+    "shape": _shape,
+    "vocab_embedding": _vocab_embedding,
+    "cross_entropy": _cross_entropy,
+}
 
 
 class Localize:

@@ -86,3 +86,19 @@ def perturbed_mlp():
 def indivisible_mlp():
     """Hidden size 5 cannot be split over a mesh axis of 2."""
     return example_mlp(batch=8, seq=4, hidden=5, layers=1, dropout=0.0)
+
+
+class Flipped(nn.Module):
+    """aten.flip has no sharding rule: it must run replicated, with a warning."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.flip(self.fc1(x), dims=[-1]))
+
+
+def flipped():
+    return Flipped(), (torch.randn(8, 4, 16),)

@@ -43,6 +43,7 @@ class Strategy:
     epilogue: tuple[int, ...] = ()  # inputs applied after the output collectives (a linear's bias)
     lowering: str | None = None  # a local implementation in autoshard.ops instead of the ATen op
     internal: tuple[Step, ...] = ()  # collectives inside the lowering (a norm's statistics)
+    outputs: tuple[Layout, ...] = ()  # per output, for ops that return several tensors
     detail: str = ""
 
     def storage_for(self, i: int) -> Layout:
@@ -90,7 +91,8 @@ class Context:
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return tuple(self.node.meta["val"].shape)
+        val = self.node.meta["val"]
+        return tuple(val.shape) if is_tensor(self.node) else ()
 
     def layout(self, i: int) -> Layout:
         return self.layouts[i] or Layout.replicated(len(self.shape(i)))
@@ -125,4 +127,14 @@ def is_tensor(node: fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-from autoshard.strategies import linear, norm, pointwise, reduction  # noqa: E402,F401  (registers rules)
+from autoshard.strategies import (  # noqa: E402,F401  (each module registers its rules)
+    attention,
+    embedding,
+    linear,
+    loss,
+    norm,
+    pointwise,
+    reduction,
+    replicated,
+    views,
+)

@@ -40,6 +40,18 @@ POINTWISE = (
     aten._to_copy.default,
     aten.type_as.default,
     aten.where.self,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.cos.default,
+    aten.sin.default,
+    aten.to.dtype_layout,
+    aten.to.device,
+    aten.detach.default,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.clamp.default,
+    aten.square.default,
+    aten.reciprocal.default,
 )
 
 

@@ -1,0 +1,91 @@
+"""Attention: batch and heads sharded, never sequence or head_dim.
+
+`scaled_dot_product_attention` gathers any axis that splits the sequence or
+head_dim of q, k, v and, where the head (or batch) count allows, splits the
+heads over it instead; keys and values follow the query's batch and head
+shards (with fewer key/value heads, grouped-query attention, they are
+replicated over an axis whose count does not divide them). The explicit
+form (q @ kᵀ, softmax, @ v) is a batched matmul, which never splits its
+contraction, and a softmax, which never splits its reduced dim.
+"""
+
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.views import _dim_arg, _unshard
+
+
+def _count(axes, ctx: Context) -> int:
+    out = 1
+    for a in axes:
+        out *= ctx.mesh.size(a)
+    return out
+
+
+def _query_layouts(ctx: Context) -> list[Layout]:
+    """The query layout as it comes, and with its sequence/head_dim axes moved to heads."""
+    q = ctx.layout(0)
+    kept = Layout(q.dims[:2] + ((), ()))
+    freed = q.dims[2] + q.dims[3]
+    batch, heads = list(q.dims[0]), list(q.dims[1])
+    b_size, h_size = ctx.shape(0)[:2]
+    for axis in freed:
+        if (h_size // _count(heads, ctx)) % ctx.mesh.size(axis) == 0:
+            heads.append(axis)
+        elif (b_size // _count(batch, ctx)) % ctx.mesh.size(axis) == 0:
+            batch.append(axis)
+    moved = Layout((tuple(batch), tuple(heads), (), ()))
+    return [moved, kept] if moved != kept else [kept]
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa(ctx: Context) -> list[Strategy]:
+    candidates = []
+    out_shape = ctx.out_shape
+    for q in _query_layouts(ctx):
+        inputs = [q]
+        for i in range(1, len(ctx.inputs)):
+            shape = ctx.shape(i)
+            if i in (1, 2):  # key, value: maybe fewer heads
+                heads = q.dims[1] if shape[1] % _count(q.dims[1], ctx) == 0 else ()
+                batch = q.dims[0] if shape[0] == out_shape[0] else ()
+                inputs.append(Layout((batch, heads, (), ())))
+            else:  # the mask broadcasts against the scores [B, heads, S, S]
+                scores = Layout(q.dims[:2] + ((), ()))
+                inputs.append(aligned(scores, shape, out_shape[:3] + (shape[-1],)))
+        candidates.append(make("follow", inputs, q, detail="batch and heads"))
+    return candidates
+
+
+@register(aten.matmul.default, aten.bmm.default)
+def batched_matmul(ctx: Context) -> list[Strategy]:
+    """A product of two activations, [..., m, k] @ [..., k, n]: batch dims and the rows
+    m stay split as the left operand has them; k and n are gathered."""
+    from autoshard.strategies.linear import matmul
+
+    if ctx.inputs[1].op == "get_attr" and len(ctx.shape(1)) == 2:
+        return matmul(ctx)
+    a_shape, b_shape, out_shape = ctx.shape(0), ctx.shape(1), ctx.out_shape
+    if min(len(a_shape), len(b_shape)) < 2:
+        return replicated_fallback(ctx)
+    a = ctx.layout(0)
+    batch_shape = out_shape[:-2]
+    offset = len(batch_shape) - (len(a_shape) - 2)  # a's batch dims are right-aligned
+    out_batch = tuple(
+        a.dims[d - offset] if d >= offset and a_shape[d - offset] == batch_shape[d] else ()
+        for d in range(len(batch_shape))
+    )
+    out = Layout(out_batch + (a.dims[-2], ()))
+    a_need = Layout(aligned(Layout(out_batch), a_shape[:-2], batch_shape).dims + (a.dims[-2], ()))
+    b_need = Layout(aligned(Layout(out_batch), b_shape[:-2], batch_shape).dims + ((), ()))
+    return [make("follow", [a_need, b_need], out)]
+
+
+@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+def softmax(ctx: Context) -> list[Strategy]:
+    x = _unshard(ctx.layout(0), _dim_arg(ctx, 1))
+    return [make("follow", [x], x)]

@@ -1,0 +1,68 @@
+"""Embeddings: features split, and the vocabulary split too for large tables.
+
+Vocabulary-parallel lookup: each rank holds a slice of the rows, looks up the
+ids that fall in it (zeros elsewhere), and the pending sum over the
+vocabulary axes is reduce-scattered onto the token dims. With the features
+split over the third axis, the output is stored exactly as a 3D activation
+(tokens over two axes, features over one), and the table is stored the way
+a tied output projection reads its weight.
+"""
+
+from __future__ import annotations
+
+from itertools import permutations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies import Context, Strategy, make, register
+
+
+def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
+    """Place `axes` (outer first) on the first token dims that divide."""
+    dims = [[] for _ in shape]
+    local = list(shape)
+    for axis in axes:
+        for d, size in enumerate(local):
+            if size % mesh.size(axis) == 0:
+                dims[d].append(axis)
+                local[d] //= mesh.size(axis)
+                break
+    return [tuple(d) for d in dims]
+
+
+@register(aten.embedding.default)
+def embedding(ctx: Context) -> list[Strategy]:
+    ids_shape = ctx.shape(1)
+    rep_ids = Layout.replicated(len(ids_shape))
+    if ctx.family == "replicated":
+        return [
+            make(
+                "replicated", [Layout.replicated(2), rep_ids], Layout.replicated(len(ids_shape) + 1)
+            )
+        ]
+    candidates = []
+    for x, y, z in permutations(ctx.mesh.names):
+        tokens = _token_dims(ids_shape, (x, y), ctx.mesh)
+        stored = Layout(tuple(tokens) + ((z,),)).normalized(ctx.mesh)
+        table = Layout(((x, y), (z,))).normalized(ctx.mesh)
+        out = Layout(((),) * len(ids_shape) + ((z,),), partial=(x, y)).normalized(ctx.mesh)
+        candidates.append(
+            make(
+                "vocab-parallel",
+                [table, rep_ids],
+                out,
+                stored,
+                lowering="vocab_embedding" if table.dims[0] else None,
+                detail=f"vocabulary over {','.join(table.dims[0]) or '-'}",
+            )
+        )
+        feature_table = Layout(((), (z,))).normalized(ctx.mesh)
+        ids = Layout(tuple(tokens)).normalized(ctx.mesh)
+        candidates.append(make("feature-parallel", [feature_table, ids], stored, detail=""))
+    return [
+        c
+        for c in candidates
+        if not any(lay.indivisible(ctx.shape(i), ctx.mesh) for i, lay in enumerate(c.inputs))
+        and not c.stored.indivisible(ctx.out_shape, ctx.mesh)
+    ]

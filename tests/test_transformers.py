@@ -1,0 +1,36 @@
+"""Transformer models, unmodified, match the serial model under the 3D families."""
+
+from pathlib import Path
+
+import pytest
+
+from autoshard.testing import assert_equivalent
+
+ROOT = Path(__file__).parents[1]
+GPT, LLAMA = ROOT / "examples/gpt.py", ROOT / "examples/llama.py"
+HF = Path(__file__).parent / "hf_models.py"
+MESHES = [(2, 2, 2), (1, 2, 4)]
+MIXED = {"*.0.*": "replicated", "*mlp*": "3d-allreduce", "*": "3d"}
+STRATEGIES = ["3d", "3d-allreduce", MIXED]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+@pytest.mark.parametrize("factory", [f"{GPT}:gpt", f"{LLAMA}:llama"], ids=["gpt", "llama"])
+def test_examples(factory, mesh, strategy):
+    assert_equivalent(factory, mesh, strategy=strategy)
+
+
+@pytest.mark.parametrize(
+    "factory", [f"{GPT}:gpt_explicit", f"{LLAMA}:llama_mqa"], ids=["explicit-attention", "mqa"]
+)
+def test_attention_variants(factory):
+    assert_equivalent(factory, (2, 2, 2), strategy="3d")
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
+@pytest.mark.parametrize("model", ["gpt2", "llama", "bert"])
+def test_hugging_face(model, mesh, strategy):
+    pytest.importorskip("transformers")
+    assert_equivalent(f"{HF}:{model}", mesh, strategy=strategy)
