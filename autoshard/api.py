@@ -6,44 +6,124 @@ parallel = autoshard.parallelize(model, mesh, (x,))     # on every rank of `mesh
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoshard import comm
-from autoshard.errors import InputError, MeshError
+from autoshard.cost import OPTIMIZERS
+from autoshard.errors import InputError, MeshError, StrategyError
+from autoshard.hardware import DEFAULT, Hardware
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
-from autoshard.planner import plan_graph
+from autoshard.solver import plan_model
 from autoshard.trace import Traced, trace
 from passes import ShardParameters, emit
 
 
-def plan(model: torch.nn.Module, mesh_shape, example_inputs: tuple, *, strategy=None) -> Plan:
-    """Plan `model` for a mesh of `mesh_shape` without any process group."""
-    return plan_graph(trace(model, example_inputs), Mesh.from_shape(mesh_shape), strategy)
+def plan(
+    model: torch.nn.Module,
+    mesh_shape,
+    example_inputs: tuple,
+    *,
+    strategy=None,
+    memory_budget: float | None = None,
+    hardware: Hardware | str | None = None,
+    strategy_space: str = "3d",
+    optimizer: str | float = "adam",
+) -> Plan:
+    """Plan `model` for a mesh of `mesh_shape` without any process group.
+
+    With no `strategy`, the solver chooses per block a family and whether to
+    recompute it, for the least predicted step time on `hardware` (a preset
+    name, a profile path, or a Hardware) within `memory_budget` bytes per
+    rank. `strategy` forces a family ("3d", "3d-allreduce", "replicated") or
+    a dict from module-path patterns (``"layers.*.fc1"``) to families; a
+    single family with a budget only chooses where to recompute. `optimizer`
+    sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
+    number).
+    """
+    return plan_model(
+        trace(model, example_inputs),
+        Mesh.from_shape(mesh_shape),
+        strategy=strategy,
+        memory_budget=memory_budget,
+        hardware=_hardware(hardware),
+        strategy_space=strategy_space,
+        optimizer=_optimizer(optimizer),
+    )
 
 
 def parallelize(
-    model: torch.nn.Module, mesh, example_inputs: tuple, *, strategy=None
+    model: torch.nn.Module,
+    mesh,
+    example_inputs: tuple,
+    *,
+    strategy=None,
+    memory_budget: float | None = None,
+    hardware: Hardware | str | None = None,
+    strategy_space: str = "3d",
+    optimizer: str | float = "adam",
+    plan: Plan | None = None,
 ) -> ParallelModule:
     """Rewrite `model` into the program this rank runs on `mesh` (a DeviceMesh).
 
-    Call it on every rank with the same model and inputs. `strategy` picks a
-    family for the whole model ("3d", "3d-allreduce", "replicated") or a dict
-    from module-path patterns (``"layers.*.fc1"``) to families.
+    Call it on every rank with the same model and inputs. The keywords are
+    `autoshard.plan`'s; `plan` applies a saved plan (`Plan.load`) without
+    solving again.
     """
     _check_mesh(mesh)
     layout = Mesh.from_device_mesh(mesh)
     traced = trace(model, example_inputs)
-    the_plan = plan_graph(traced, layout, strategy)
-    program = emit(traced, the_plan)
+    if plan is None:
+        plan = plan_model(
+            traced,
+            layout,
+            strategy=strategy,
+            memory_budget=memory_budget,
+            hardware=_hardware(hardware),
+            strategy_space=strategy_space,
+            optimizer=_optimizer(optimizer),
+        )
+    elif plan.mesh != layout:
+        raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
+    _check_same_on_every_rank(plan)
+    program = emit(traced, plan)
     bound = comm.BoundMesh(mesh, layout)
     with comm.bound(bound):
-        program = ShardParameters(the_plan, traced.parameters)(program)
-    return ParallelModule(program, the_plan, traced, bound)
+        program = ShardParameters(plan, traced.parameters)(program)
+    return ParallelModule(program, plan, traced, bound)
+
+
+def _hardware(hardware) -> Hardware:
+    return hardware if isinstance(hardware, Hardware) else Hardware.load(hardware or DEFAULT)
+
+
+def _optimizer(optimizer) -> float:
+    if isinstance(optimizer, str):
+        if optimizer not in OPTIMIZERS:
+            raise StrategyError(
+                f"unknown optimizer {optimizer!r}: choose one of {sorted(OPTIMIZERS)}"
+            )
+        return OPTIMIZERS[optimizer]
+    return float(optimizer)
+
+
+def _check_same_on_every_rank(plan: Plan) -> None:
+    """Every rank must run the same plan: compare a hash of it across the world."""
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        ranks = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise MeshError(
+            f"ranks {ranks} planned differently from rank 0: give every rank the same model, "
+            "example inputs and settings, or pass plan=Plan.load(...) everywhere"
+        )
 
 
 def _check_mesh(mesh) -> None:

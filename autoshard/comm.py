@@ -123,10 +123,24 @@ def comm_log():
         _LOGS.reset(token)
 
 
-def _in_backward() -> bool:
-    # The one private torch call: tells a recomputation (forward code run by
-    # the autograd engine for a checkpoint) from a first forward.
-    return torch._C._current_graph_task_id() != -1
+_PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", default="forward")
+
+
+def recompute_context():
+    """For `torch.utils.checkpoint.checkpoint(context_fn=...)`: the replay in backward
+    runs on the mesh of the first forward, and its collectives log as "recompute"."""
+    mesh = current_mesh()
+
+    @contextlib.contextmanager
+    def replay():
+        token = _PHASE.set("recompute")
+        try:
+            with bound(mesh):
+                yield
+        finally:
+            _PHASE.reset(token)
+
+    return contextlib.nullcontext(), replay()
 
 
 def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str) -> None:
@@ -189,8 +203,7 @@ class _Pair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward, backward, axis, dim, node):
         ctx.backward, ctx.axis, ctx.dim, ctx.node = backward, axis, dim, node
-        phase = "recompute" if _in_backward() else "forward"
-        return _OPS[forward](x, axis, dim, node, phase)
+        return _OPS[forward](x, axis, dim, node, _PHASE.get())
 
     @staticmethod
     def backward(ctx, grad):
@@ -244,7 +257,7 @@ def all_reduce_max(x, *, axis: str, node: str):
     group = current_mesh().axes[axis]
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.group)
-    _record("all_reduce", group, _nbytes(out), node, "recompute" if _in_backward() else "forward")
+    _record("all_reduce", group, _nbytes(out), node, _PHASE.get())
     return out
 
 

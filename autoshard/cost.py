@@ -45,6 +45,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import sympy
 import torch
@@ -54,8 +55,11 @@ from torch.ops import aten
 from autoshard.hardware import Hardware
 from autoshard.layout import Step
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.trace import Traced, tensor_inputs
+from autoshard.trace import tensor_inputs
+
+if TYPE_CHECKING:
+    from autoshard.plan import Plan
+    from autoshard.trace import Traced
 
 
 class Formula:
@@ -177,8 +181,14 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def _first_value(node: fx.Node) -> torch.Tensor:
+    """The node's tensor, or the first of the tensors it returns (split, chunk)."""
+    val = node.meta["val"]
+    return val if isinstance(val, torch.Tensor) else val[0]
+
+
 def _itemsize(node: fx.Node) -> int:
-    return node.meta["val"].element_size()
+    return _first_value(node).element_size()
 
 
 def _needs_grad(inputs: list[fx.Node], needs_grad: Sequence[bool] | None) -> tuple[bool, ...]:
@@ -492,7 +502,7 @@ def node_costs(
             node,
             in_shapes,
             out_shape,
-            node.meta["val"].dtype,
+            _first_value(node).dtype,
             hardware,
             needs_grad=node_plan.input_needs_grad,
         )

@@ -5,9 +5,12 @@ The planner writes a `Plan`; the passes read it and nothing else.
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from autoshard.cost import Cost
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.strategies import Strategy
@@ -45,6 +48,23 @@ class Plan:
     entry_steps: dict[str, tuple[Step, ...]]  # inputs, given whole, split on entry
     output_steps: tuple[tuple[Step, ...], ...]
     warnings: list[str] = field(default_factory=list)
+    regions: dict[str, str] = field(default_factory=dict)  # node → checkpoint region it is in
+    choices: dict[str, str] = field(default_factory=dict)  # unit → option the solver chose
+    cost: Cost | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(plan_to_dict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return plan_from_dict(json.loads(text))
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        return cls.from_json(Path(path).read_text())
 
     def predicted_comm(self) -> dict[tuple[str, str, str, str], int]:
         """Bytes per (node, kind, axis, phase) that running one step will log."""
@@ -55,6 +75,115 @@ class Plan:
             for step, grad in steps:
                 if step.forward_collective != "none":
                     out[name, step.forward_collective, step.axis, "forward"] += step.nbytes
+                    if name in self.regions:
+                        out[name, step.forward_collective, step.axis, "recompute"] += step.nbytes
                 if step.backward_collective != "none" and grad:
                     out[name, step.backward_collective, step.axis, "backward"] += step.nbytes
         return dict(out)
+
+
+# JSON (no pickle): plans are saved, read by people, and applied without solving again.
+
+
+def _layout(data) -> Layout | None:
+    if data is None:
+        return None
+    return Layout(tuple(tuple(d) for d in data["dims"]), tuple(data["partial"]))
+
+
+def _layout_dict(layout: Layout | None):
+    return None if layout is None else {"dims": layout.dims, "partial": layout.partial}
+
+
+def _step(data) -> Step:
+    return Step(**data)
+
+
+def _strategy_dict(s: Strategy) -> dict:
+    return {
+        "family": s.family,
+        "inputs": [_layout_dict(x) for x in s.inputs],
+        "output": _layout_dict(s.output),
+        "stored": _layout_dict(s.stored),
+        "grad_partial": [sorted(g) for g in s.grad_partial],
+        "storage": [_layout_dict(x) for x in s.storage],
+        "epilogue": s.epilogue,
+        "lowering": s.lowering,
+        "internal": [asdict(x) for x in s.internal],
+        "outputs": [_layout_dict(x) for x in s.outputs],
+        "detail": s.detail,
+    }
+
+
+def _strategy(d: dict) -> Strategy:
+    return Strategy(
+        family=d["family"],
+        inputs=tuple(_layout(x) for x in d["inputs"]),
+        output=_layout(d["output"]),
+        stored=_layout(d["stored"]),
+        grad_partial=tuple(frozenset(g) for g in d["grad_partial"]),
+        storage=tuple(_layout(x) for x in d["storage"]),
+        epilogue=tuple(d["epilogue"]),
+        lowering=d["lowering"],
+        internal=tuple(_step(x) for x in d["internal"]),
+        outputs=tuple(_layout(x) for x in d["outputs"]),
+        detail=d["detail"],
+    )
+
+
+def _node_dict(n: NodePlan) -> dict:
+    return {
+        "name": n.name,
+        "op": n.op,
+        "module": n.module,
+        "shape": n.shape,
+        "local_shape": n.local_shape,
+        "strategy": _strategy_dict(n.strategy),
+        "input_steps": [[asdict(s) for s in steps] for steps in n.input_steps],
+        "output_steps": [asdict(s) for s in n.output_steps],
+        "input_needs_grad": n.input_needs_grad,
+        "needs_grad": n.needs_grad,
+    }
+
+
+def _node(d: dict) -> NodePlan:
+    return NodePlan(
+        name=d["name"],
+        op=d["op"],
+        module=d["module"],
+        shape=tuple(d["shape"]),
+        local_shape=tuple(d["local_shape"]),
+        strategy=_strategy(d["strategy"]),
+        input_steps=tuple(tuple(_step(s) for s in steps) for steps in d["input_steps"]),
+        output_steps=tuple(_step(s) for s in d["output_steps"]),
+        input_needs_grad=tuple(d["input_needs_grad"]),
+        needs_grad=d["needs_grad"],
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    return {
+        "mesh": {"names": plan.mesh.names, "sizes": plan.mesh.sizes},
+        "nodes": [_node_dict(n) for n in plan.nodes.values()],
+        "storage": {k: _layout_dict(v) for k, v in plan.storage.items()},
+        "entry_steps": {k: [asdict(s) for s in v] for k, v in plan.entry_steps.items()},
+        "output_steps": [[asdict(s) for s in steps] for steps in plan.output_steps],
+        "warnings": plan.warnings,
+        "regions": plan.regions,
+        "choices": plan.choices,
+        "cost": plan.cost.to_dict() if plan.cost else None,
+    }
+
+
+def plan_from_dict(d: dict) -> Plan:
+    return Plan(
+        mesh=Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"])),
+        nodes={n["name"]: _node(n) for n in d["nodes"]},
+        storage={k: _layout(v) for k, v in d["storage"].items()},
+        entry_steps={k: tuple(_step(s) for s in v) for k, v in d["entry_steps"].items()},
+        output_steps=tuple(tuple(_step(s) for s in steps) for steps in d["output_steps"]),
+        warnings=list(d["warnings"]),
+        regions=dict(d["regions"]),
+        choices=dict(d["choices"]),
+        cost=Cost.from_dict(d["cost"]) if d["cost"] else None,
+    )

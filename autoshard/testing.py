@@ -91,13 +91,13 @@ def _loss(outputs) -> torch.Tensor:
     return total
 
 
-def _equivalence_job(mesh, factory, strategy, steps: int, lr: float) -> list[Mismatch]:
+def _equivalence_job(mesh, factory, planning: dict, steps: int, lr: float) -> list[Mismatch]:
     if isinstance(factory, str):
         factory = load_factory(factory)
     torch.manual_seed(0)
     model, inputs = factory()
     serial = copy.deepcopy(model)
-    parallel = parallelize(model, mesh, inputs, strategy=strategy)
+    parallel = parallelize(model, mesh, inputs, **planning)
     serial_opt = torch.optim.SGD(serial.parameters(), lr=lr)
     parallel_opt = torch.optim.SGD(parallel.parameters(), lr=lr)
     found: list[Mismatch] = []
@@ -124,11 +124,11 @@ def _equivalence_job(mesh, factory, strategy, steps: int, lr: float) -> list[Mis
 
 
 def equivalence_report(
-    factory, mesh_shape, *, strategy=None, steps: int = 3, lr: float = 0.1
+    factory, mesh_shape, *, steps: int = 3, lr: float = 0.1, **planning
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
-    per_rank = pool.run(_equivalence_job, tuple(mesh_shape), factory, strategy, steps, lr)
+    per_rank = pool.run(_equivalence_job, tuple(mesh_shape), factory, planning, steps, lr)
     return [
         Mismatch(m.what, m.name, m.step, m.max_abs, m.scale, rank)
         for rank, found in enumerate(per_rank)
@@ -140,11 +140,11 @@ def assert_equivalent(
     factory,
     mesh_shape,
     *,
-    strategy=None,
     steps: int = 3,
     rtol: float = 1e-5,
     atol: float = 0.0,
     lr: float = 0.1,
+    **planning,
 ) -> list[Mismatch]:
     """Raise AssertionError naming the worst mismatch if the parallel program differs
     from the serial model; return every comparison otherwise.
@@ -156,11 +156,12 @@ def assert_equivalent(
     exact value is zero or nearly so (a key bias's gradient under softmax), and
     what both programs compute for them is rounding noise.
 
+    `planning` goes to `parallelize` (strategy, memory_budget, hardware, plan…).
     `factory` is a module-level callable returning ``(model, example_inputs)``
     (or ``"path/to/file.py:name"``). It runs in the shared pool of as many
     ranks as the mesh has (started once per process).
     """
-    report = equivalence_report(factory, mesh_shape, strategy=strategy, steps=steps, lr=lr)
+    report = equivalence_report(factory, mesh_shape, steps=steps, lr=lr, **planning)
     largest: dict[tuple[str, int], float] = {}
     for m in report:
         largest[m.what, m.step] = max(largest.get((m.what, m.step), 0.0), m.scale)
@@ -173,6 +174,6 @@ def assert_equivalent(
         worst = max(failed, key=lambda m: m.rel)
         raise AssertionError(
             f"parallel program differs from the serial model on mesh {tuple(mesh_shape)} "
-            f"with strategy {strategy!r}: {len(failed)} comparisons fail; worst: {worst}"
+            f"planned with {planning}: {len(failed)} comparisons fail; worst: {worst}"
         )
     return report

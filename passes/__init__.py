@@ -2,7 +2,7 @@
 
 A pass never decides: what to do is in the plan. `emit` runs them in order:
 
-    insert collectives → localize → (per rank) shard parameters
+    insert collectives → localize → outline checkpoints → (per rank) shard parameters
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from autoshard.plan import Plan
 from autoshard.trace import Traced
 from passes.insert_collectives import InsertCollectives
 from passes.localize import Localize
+from passes.outline_checkpoints import OutlineCheckpoints
 from passes.shard_parameters import ShardParameters
 
 
@@ -23,9 +24,9 @@ def emit(traced: Traced, plan: Plan) -> fx.GraphModule:
     Its attributes are still the global parameters; `ShardParameters` swaps
     in each rank's shards."""
     gm = fx.GraphModule(traced.graph_module, copy.deepcopy(traced.graph_module.graph))
-    for rewrite in (InsertCollectives(plan), Localize(plan)):
+    for rewrite in (InsertCollectives(plan), Localize(plan), OutlineCheckpoints(plan)):
         gm = rewrite(gm)
     return gm
 
 
-__all__ = ["InsertCollectives", "Localize", "ShardParameters", "emit"]
+__all__ = ["InsertCollectives", "Localize", "OutlineCheckpoints", "ShardParameters", "emit"]

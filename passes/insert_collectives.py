@@ -41,6 +41,7 @@ def _apply_steps(graph: fx.Graph, value: fx.Node, steps: tuple[Step, ...], node:
         kwargs.update(backward=step.backward, node=node)
         value = graph.call_function(STEP_FUNCTIONS[step.kind], (value,), kwargs)
         value.meta["val"] = val  # the global value, so later passes still see a tensor here
+        value.meta["autoshard_serves"] = node
     return value
 
 
@@ -97,6 +98,7 @@ class InsertCollectives:
             for bias in epilogue:
                 out = graph.call_function(aten.add.Tensor, (out, bias))
                 out.meta["val"] = node.meta["val"]
+                out.meta["autoshard_serves"] = node.name
         self._replace_uses(node, out)
 
     @staticmethod

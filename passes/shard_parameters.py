@@ -35,4 +35,11 @@ class ShardParameters:
                 )
             else:
                 owner.register_buffer(name, local)
+        for node in gm.graph.nodes:  # checkpoint regions and what they call
+            if node.op == "get_attr" and node.target not in self.parameters:
+                value = getattr(gm, node.target)
+                if isinstance(value, torch.nn.Module):
+                    root.add_module(node.target, value)
+                else:
+                    setattr(root, node.target, value)
         return fx.GraphModule(root, gm.graph, class_name="ParallelProgram")

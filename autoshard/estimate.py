@@ -1,0 +1,135 @@
+"""What a plan costs per rank and per step: time and peak memory, from the cost model.
+
+    cost = estimate(traced, plan, Hardware.load("nvlink-8"))
+    cost.step_time, cost.peak_memory, cost.communication  # seconds, bytes, seconds per axis
+
+Time is the sum over nodes of forward and backward compute and collectives,
+plus, for nodes in a recomputed region, their forward compute and
+collectives once more. Memory is what the step's peak holds: parameters
+with their gradients and optimizer state, every activation saved for
+backward (a recomputed region keeps only its inputs), and, on top, the
+largest region's activations while it is replayed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from autoshard.cost import Cost, NodeCost, node_costs, parameter_bytes
+from autoshard.hardware import Hardware
+from autoshard.plan import Plan
+from autoshard.trace import Traced, tensor_inputs
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The costs of a set of nodes (a block, a region, the whole plan)."""
+
+    compute: float
+    forward: float  # forward compute and collectives: what a recomputation replays
+    comm: dict[str, float]
+    saved: int
+    params: int
+    entry: int  # bytes of the activations that enter the set from outside
+
+    @property
+    def time(self) -> float:
+        return self.compute + sum(self.comm.values())
+
+
+def unit_of(path: str) -> str:
+    """The repeated block a module path belongs to ('blocks.3' for 'blocks.3.attn.q'),
+    or '' outside any: the unit a plan's decisions and checkpoint regions are made for."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def totals(
+    traced: Traced,
+    plan: Plan,
+    costs: dict[str, NodeCost],
+    names,
+    optimizer: float,
+    first_users: dict[str, str],
+) -> Totals:
+    """Sum the costs of the nodes `names`; a parameter counts with its first user
+    (`first_users`: FQN → node name, from `first_users`)."""
+    names = list(dict.fromkeys(names))  # ordered: float sums must not depend on hashing
+    members = set(names)
+    graph = {n.name: n for n in traced.graph_module.graph.nodes}
+    compute = forward = 0.0
+    comm: dict[str, float] = defaultdict(float)
+    saved = params = entry = 0
+    entering: dict = {}
+    for name in names:
+        cost = costs[name]
+        compute += cost.forward_compute + cost.backward_compute
+        forward += cost.forward_compute + sum(cost.forward_comm.values())
+        for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
+            comm[axis] += seconds
+        saved += cost.saved_bytes
+        for inp in tensor_inputs(graph[name]):
+            if inp.op != "get_attr" and inp.name not in members:
+                entering[inp] = None
+    for fqn in (f for f, user in first_users.items() if user in members):
+        tensor = traced.parameters[fqn]
+        numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
+        multiplier = optimizer if tensor.requires_grad else -2.0  # buffers: the tensor alone
+        params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
+    for inp in entering:
+        layout = plan.storage.get(inp.name) or _stored(plan, inp)
+        if layout is not None and hasattr(inp.meta.get("val"), "shape"):
+            local = layout.local_shape(tuple(inp.meta["val"].shape), plan.mesh)
+            entry += math.prod(local) * inp.meta["val"].element_size()
+    return Totals(compute, forward, dict(comm), saved, params, entry)
+
+
+def _stored(plan: Plan, node):
+    placed = plan.nodes.get(node.name)
+    return placed.strategy.stored if placed is not None and placed.shape else None
+
+
+def first_users(traced: Traced, plan: Plan) -> dict[str, str]:
+    """Parameter FQN → the name of the first node that uses it."""
+    first: dict[str, str] = {}
+    for node in traced.graph_module.graph.nodes:
+        if node.name in plan.nodes:
+            for inp in tensor_inputs(node):
+                if inp.op == "get_attr":
+                    first.setdefault(inp.target, node.name)
+    return first
+
+
+def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 2.0) -> Cost:
+    """The plan's cost (see the module docstring)."""
+    costs = node_costs(traced, plan, hardware)
+    regions: dict[str, list[str]] = defaultdict(list)
+    for name, region in plan.regions.items():
+        regions[region].append(name)
+    kept = [n for n in plan.nodes if n not in plan.regions]
+    users = first_users(traced, plan)
+    whole = totals(traced, plan, costs, list(plan.nodes), optimizer, users)
+    outside = totals(traced, plan, costs, kept, optimizer, users)
+    replayed = [totals(traced, plan, costs, names, optimizer, users) for names in regions.values()]
+    comm = dict(whole.comm)
+    for axis, seconds in costs["output"].forward_comm.items():
+        comm[axis] = comm.get(axis, 0.0) + seconds
+    recompute = sum((r.forward for r in replayed), 0.0)
+    peak = (
+        whole.params
+        + outside.saved
+        + sum(r.entry for r in replayed)
+        + max((r.saved for r in replayed), default=0)
+    )
+    return Cost(
+        step_time=whole.compute + recompute + sum(comm.values()),
+        peak_memory=int(peak),
+        compute=whole.compute,
+        recompute=recompute,
+        communication=comm,
+    )
