@@ -82,7 +82,19 @@ def _describe(node: fx.Node) -> str:
     return f"node '{node.name}' ({node.target}" + (f", module '{path}')" if path else ")")
 
 
-def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
+def plan_graph(
+    traced: Traced,
+    mesh: Mesh,
+    strategy=None,
+    *,
+    families: dict[str, str] | None = None,
+    reference: dict[str, dict[str, Layout]] | None = None,
+) -> Plan:
+    """Plan every node. `families` (node name → family) overrides `strategy`'s
+    patterns. With `reference` (family → node name → stored layout, from planning
+    the whole model in each family), a value that crosses into a node of another
+    family is first converted to the layout it has in that family's own plan, so
+    each part of the model is planned exactly as its family plans it alone."""
     check_strategy(strategy)
     graph = traced.graph_module.graph
     default_family = (
@@ -114,13 +126,18 @@ def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
             needs_grad[node] = needs_grad[parent]
         elif node.op == "call_function" and node.meta.get("val") is not None:
             inputs = tensor_inputs(node)
-            ctx = Context(
-                node,
-                mesh,
-                inputs,
-                [stored.get(n) for n in inputs],
-                family_of(module_path(node), strategy),
-            )
+            family = (families or {}).get(node.name) or family_of(module_path(node), strategy)
+            layouts, bridges = [stored.get(n) for n in inputs], {}
+            for i, inp in enumerate(inputs):
+                theirs = (families or {}).get(inp.name, family)
+                pretend = (reference or {}).get(family, {}).get(inp.name)
+                if theirs != family and pretend is not None and pretend != layouts[i]:
+                    val = inp.meta["val"]
+                    bridges[i] = redistribute(
+                        layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
+                    )
+                    layouts[i] = pretend
+            ctx = Context(node, mesh, inputs, layouts, family)
             rule = rule_for(node.target)
             candidates = rule(ctx) if rule else []
             if not candidates:
@@ -131,6 +148,11 @@ def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
                 notes.append(message)
                 candidates = replicated_fallback(ctx)
             nodes[node.name] = _place(node, ctx, candidates, stored, needs_grad, storage, mesh)
+            if bridges:
+                placed = nodes[node.name]
+                placed.input_steps = tuple(
+                    tuple(bridges.get(i, [])) + steps for i, steps in enumerate(placed.input_steps)
+                )
         elif node.op == "output":
             output_steps = tuple(
                 tuple(
@@ -143,15 +165,11 @@ def plan_graph(traced: Traced, mesh: Mesh, strategy=None) -> Plan:
     return Plan(mesh, nodes, storage, entry_steps, output_steps, notes)
 
 
-def _source(node: fx.Node, i: int, strategy, stored) -> Layout:
-    return stored.get(node) or strategy.storage_for(i)
-
-
 def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]:
     steps = []
     for i, inp in enumerate(ctx.inputs):
         grad = strategy.grad_partial[i] if needs_grad[inp] else frozenset()
-        src = _source(inp, i, strategy, stored)
+        src = ctx.layouts[i] or strategy.storage_for(i)
         steps.append(redistribute(src, strategy.inputs[i], _shape(inp), _itemsize(inp), mesh, grad))
     return steps
 

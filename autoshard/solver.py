@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -59,12 +59,14 @@ class Option:
 
 @dataclass
 class Problem:
-    units: list[str]
+    units: list[str]  # in graph order
     options: dict[str, list[Option]]  # per unit
     time: dict[tuple[str, Option], float]
     memory: dict[tuple[str, Option], float]  # kept through the step
     replay: dict[tuple[str, Option], float]  # extra while the unit is recomputed
     convert: dict[tuple[str, str, str], float]  # (unit, family before, family of unit)
+    plans: dict[str, Plan] = field(default_factory=dict)  # the whole model in each family
+    unit: dict[str, str] = field(default_factory=dict)  # node name → unit
 
     def evaluate(self, choice: dict[str, Option]) -> tuple[float, float]:
         """(step time, peak memory) of a choice."""
@@ -79,50 +81,63 @@ def build_problem(
     traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
 ) -> Problem:
     plans = {f: plan_graph(traced, mesh, f) for f in families}
-    order = list(dict.fromkeys(unit_of(n.module) for n in plans[families[0]].nodes.values()))
-    units = [""] + [u for u in order if u]
+    unit = units_of(plans[families[0]])
+    units = list(dict.fromkeys(unit.values()))
     problem = Problem(units, {}, {}, {}, {}, {})
+    problem.plans, problem.unit = plans, unit
     cache: dict[tuple, tuple] = {}
     for family, plan in plans.items():
         costs = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
         members: dict[str, list[str]] = defaultdict(list)
-        for node in plan.nodes.values():
-            members[unit_of(node.module)].append(node.name)
-        members[""].append("output")
-        for unit in units:
-            names = [n for n in members[unit] if n != "output"]
+        for name, u in unit.items():
+            members[u].append(name)
+        for u in units:
+            names = members[u]
             key = (family, _signature(plan, names))
             if key not in cache:  # identical blocks cost the same: sum them once
                 total = totals(traced, plan, costs, names, optimizer, users)
-                output = sum(costs["output"].forward_comm.values()) if unit == "" else 0.0
+                output = sum(costs["output"].forward_comm.values()) if u == units[-1] else 0.0
                 cache[key] = (total, output)
             total, output = cache[key]
-            options = [Option(family, False)] + ([Option(family, True)] if unit else [])
+            block = u not in (PROLOGUE, EPILOGUE)
+            options = [Option(family, False)] + ([Option(family, True)] if block else [])
             for option in options:
-                problem.options.setdefault(unit, []).append(option)
+                problem.options.setdefault(u, []).append(option)
                 recompute = total.forward if option.checkpoint else 0.0
-                problem.time[unit, option] = total.time + output + recompute
+                problem.time[u, option] = total.time + output + recompute
                 kept = total.entry if option.checkpoint else total.saved
-                problem.memory[unit, option] = total.params + kept
-                problem.replay[unit, option] = total.saved if option.checkpoint else 0.0
-    for unit in units[1:]:
+                problem.memory[u, option] = total.params + kept
+                problem.replay[u, option] = total.saved if option.checkpoint else 0.0
+    for u in units[1:]:
+        names = {n for n, owner in unit.items() if owner == u}
         for f, g in itertools.permutations(plans, 2):
-            problem.convert[unit, f, g] = _boundary(
-                traced, plans[f], plans[g], unit, hardware, mesh
-            )
+            problem.convert[u, f, g] = _boundary(traced, plans[f], plans[g], names, hardware, mesh)
     return problem
+
+
+PROLOGUE, EPILOGUE = "<prologue>", "<epilogue>"
+
+
+def units_of(plan: Plan) -> dict[str, str]:
+    """Node name → its unit: the repeated block it is in, or the prologue (before the
+    first block) or epilogue (after) for the rest of the model."""
+    out, seen_block = {}, False
+    for node in plan.nodes.values():
+        block = unit_of(node.module)
+        seen_block = seen_block or bool(block)
+        out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
+    return out
 
 
 def _signature(plan: Plan, names: list[str]) -> tuple:
     return tuple((plan.nodes[n].op, plan.nodes[n].shape, plan.nodes[n].strategy) for n in names)
 
 
-def _boundary(traced, before: Plan, after: Plan, unit: str, hardware: Hardware, mesh: Mesh):
-    """Seconds to convert what enters `unit` from the layout `before` stores it in to
-    the layout `after` does."""
+def _boundary(traced, before: Plan, after: Plan, names: set, hardware: Hardware, mesh: Mesh):
+    """Seconds to convert what enters the nodes `names` from the layout `before`
+    stores it in to the layout `after` does."""
     seconds = 0.0
-    names = {n for n, p in after.nodes.items() if unit_of(p.module) == unit}
     graph = {n.name: n for n in traced.graph_module.graph.nodes}
     entering = {
         inp
@@ -230,16 +245,6 @@ def brute_force(problem: Problem, budget: float | None) -> dict[str, Option] | N
     return best
 
 
-def as_strategy(choice: dict[str, Option]) -> tuple[dict[str, str], set[str]]:
-    """The planner's strategy dict and the set of units to recompute."""
-    strategy = {}
-    for unit, option in choice.items():
-        if unit:
-            strategy[unit] = strategy[f"{unit}.*"] = option.family
-    strategy["*"] = choice[""].family
-    return strategy, {u for u, o in choice.items() if o.checkpoint}
-
-
 def plan_model(
     traced: Traced,
     mesh: Mesh,
@@ -265,14 +270,38 @@ def plan_model(
         check_strategy(strategy)
         space = (strategy,) if strategy else SPACES[strategy_space]
         problem = build_problem(traced, mesh, hardware, space, optimizer)
-        choice = solve(problem, memory_budget)
-        families, recomputed = as_strategy(choice)
-        plan = plan_graph(traced, mesh, families)
-        plan.regions = {
-            n.name: unit_of(n.module)
-            for n in plan.nodes.values()
-            if unit_of(n.module) in recomputed
-        }
-        plan.choices = {unit: str(option) for unit, option in choice.items()}
+        # The problem prices each unit as its family plans it alone; a unit next to one
+        # of another family may be planned a little differently. If the plan itself
+        # does not fit, solve again with the budget lowered by the overshoot.
+        budget = memory_budget
+        for _ in range(_REPAIRS):
+            plan = _planned(traced, mesh, problem, solve(problem, budget), hardware, optimizer)
+            overshoot = plan.cost.peak_memory - (memory_budget or math.inf)
+            if overshoot <= 0:
+                return plan
+            budget -= overshoot
+        raise BudgetError(
+            f"no plan found within a memory budget of {_gib(memory_budget)} per rank "
+            f"(the closest peaks at {_gib(plan.cost.peak_memory)}): raise memory_budget"
+        )
+    plan.cost = estimate(traced, plan, hardware, optimizer)
+    return plan
+
+
+_REPAIRS = 8
+
+
+def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
+    families = {name: choice[u].family for name, u in problem.unit.items()}
+    reference = {
+        f: {name: node.strategy.stored for name, node in plan.nodes.items() if node.shape}
+        for f, plan in problem.plans.items()
+    }
+    first = choice[problem.units[0]].family  # inputs are split on entry as it reads them
+    plan = plan_graph(traced, mesh, first, families=families, reference=reference)
+    plan.regions = {
+        name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
+    }
+    plan.choices = {unit: str(option) for unit, option in choice.items()}
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan

@@ -6,7 +6,7 @@ into a GraphModule; in their place the program calls it, so backward replays
 it, collectives included, from its inputs alone:
 
     checkpoint = torch.utils.checkpoint.checkpoint(recompute_blocks_1, add_4, ...,
-        use_reentrant=False, context_fn=recompute_context)
+        use_reentrant=False, context_fn=recompute_context, early_stop=False)
 
 `recompute_context` (autoshard.comm) replays on the mesh of the first forward and
 logs the replayed collectives as "recompute".
@@ -16,6 +16,7 @@ logs the replayed collectives as "recompute".
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch.utils.checkpoint
 from torch import fx
@@ -73,15 +74,16 @@ class OutlineCheckpoints:
             if node not in inside and any(a in inside or a in moved for a in node.all_input_nodes):
                 after.append(node)
                 moved.add(node)
-        if not hasattr(gm, "recompute_context"):
-            gm.recompute_context = recompute_context
-        with graph.inserting_before(members[-1].next):
+        gm.recompute_context = recompute_context
+        with graph.inserting_before(members[-1].next), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns of get_attr on a plain function
             module = graph.get_attr(name)
             context = graph.get_attr("recompute_context")
+            # The whole region replays (no early stop), so its collectives are predictable.
             call = graph.call_function(
                 torch.utils.checkpoint.checkpoint,
                 (module, *inputs),
-                {"use_reentrant": False, "context_fn": context},
+                {"use_reentrant": False, "context_fn": context, "early_stop": False},
             )
             results = [
                 graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))

@@ -1,0 +1,171 @@
+"""The solver: exact for its model, sensible as the budget shrinks, and its plans run
+equal to serial with every collective (recomputation included) as predicted."""
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.hardware import Hardware
+from autoshard.mesh import Mesh
+from autoshard.plan import Plan
+from autoshard.ranks import RankError, shared_pool
+from autoshard.solver import BudgetError, Problem, brute_force, build_problem, solve
+from autoshard.testing import assert_equivalent, load_factory
+from autoshard.trace import trace
+
+ROOT = Path(__file__).parents[1]
+GPT, LLAMA, MLP = (
+    f"{ROOT}/examples/gpt.py:gpt",
+    f"{ROOT}/examples/llama.py:llama",
+    f"{ROOT}/examples/mlp.py:mlp",
+)
+MESH = (2, 2, 2)
+FAMILIES = ("3d", "3d-allreduce", "replicated")
+
+
+def _problem(spec, families=FAMILIES, hardware="nvlink-8", **sizes) -> Problem:
+    with torch.device("meta" if sizes else "cpu"):
+        model, inputs = load_factory(spec)(**sizes)
+    traced = trace(model, inputs)
+    return build_problem(traced, Mesh.from_shape(MESH), Hardware.load(hardware), families, 2.0)
+
+
+def _without_recompute(problem: Problem) -> Problem:
+    options = {u: [o for o in opts if not o.checkpoint] for u, opts in problem.options.items()}
+    return dataclasses.replace(problem, options=options)
+
+
+def _peaks(problem: Problem) -> list[float]:
+    return sorted(
+        problem.evaluate(dict(zip(problem.units, combo)))[1]
+        for combo in itertools.product(*(problem.options[u] for u in problem.units))
+    )
+
+
+def test_solver_equals_brute_force_for_several_budgets():
+    problem = _problem(MLP)  # the rest of the model and 3 blocks: 3 × 6³ = 648 choices
+    assert len(problem.units) == 4  # 3 blocks and the rest (norm, head)
+    peaks = _peaks(problem)
+    budgets = [None] + [peaks[int(q * (len(peaks) - 1))] for q in (0.0, 0.1, 0.3, 0.6, 0.9)]
+    for budget in budgets:
+        best = brute_force(problem, budget)
+        chosen = solve(problem, budget)
+        time, peak = problem.evaluate(chosen)
+        assert time == pytest.approx(problem.evaluate(best)[0], rel=1e-9)
+        assert budget is None or peak <= budget
+
+
+def test_an_infeasible_budget_names_the_smallest_that_fits():
+    problem = _problem(MLP)
+    smallest = _peaks(problem)[0]
+    with pytest.raises(BudgetError, match="smallest that fits is") as error:
+        solve(problem, smallest * 0.9)
+    assert f"({int(-(-smallest // 1))} bytes)" in str(error.value)
+    solve(problem, smallest)
+
+
+def test_shrinking_budget_never_speeds_up_and_always_fits():
+    model, inputs = load_factory(GPT)()
+    unconstrained = autoshard.plan(model, MESH, inputs)
+    floor = _peaks(_problem(GPT))[0]
+    times = []
+    for fraction in (1.0, 0.8, 0.6, 0.4, 0.2, 0.0):
+        budget = floor + fraction * (unconstrained.cost.peak_memory - floor)
+        plan = autoshard.plan(model, MESH, inputs, memory_budget=budget)
+        assert plan.cost.peak_memory <= budget
+        times.append(plan.cost.step_time)
+    assert times == sorted(times)
+
+
+def test_a_gpt_turns_to_3d_then_to_recomputation_only_when_memory_forces_it():
+    # Two GPT-2 blocks of width 256 over 1024 tokens (weights on the meta device).
+    sizes = dict(n_layer=2, d_model=256, n_head=16, seq=128, batch=8, vocab=1024)
+    problem = _problem(f"{ROOT}/examples/gpt.py:gpt_layers", **sizes)
+    free = solve(problem, None)
+    free_peak = problem.evaluate(free)[1]
+    assert all(o.family == "replicated" and not o.checkpoint for o in free.values())
+    no_recompute_floor = _peaks(_without_recompute(problem))[0]
+    floor = _peaks(problem)[0]
+    switches = []
+    budget, previous = free_peak, free
+    while budget >= floor:
+        choice = solve(problem, budget)
+        if choice != previous:
+            switches.append((budget, {u: str(o) for u, o in choice.items()}))
+            previous = choice
+        budget *= 0.98
+    print("switch points (budget bytes → choice):", *switches, sep="\n  ")
+    families = [{o.split(" ")[0] for o in c.values()} for _, c in switches]
+    recomputes = [any("recompute" in o for o in c.values()) for _, c in switches]
+    assert switches and families[0] != {"replicated"}  # 3D first, once replicated no longer fits
+    first_recompute = next(b for (b, _), r in zip(switches, recomputes) if r)
+    assert first_recompute < no_recompute_floor  # recomputation only when nothing else fits
+    assert not any(recomputes[: recomputes.index(True)])
+
+
+def _tight_budget(spec) -> float:
+    """A budget that no plan meets without recomputing something."""
+    problem = _problem(spec)
+    return (_peaks(_without_recompute(problem))[0] + _peaks(problem)[0]) / 2
+
+
+def _logged_against_predicted(mesh, spec, budget):
+    model, inputs = load_factory(spec)()
+    parallel = autoshard.parallelize(model, mesh, inputs, memory_budget=budget, hardware="nvlink-8")
+    with autoshard.comm_log() as log:
+        parallel(*inputs).backward()
+    predicted = defaultdict(int)
+    for (_, kind, axis, phase), nbytes in parallel.plan.predicted_comm().items():
+        predicted[kind, axis, phase] += nbytes
+    return log.bytes_by("kind", "axis", "phase"), dict(predicted), parallel.plan.regions
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_solved_plans_log_exactly_the_predicted_bytes(spec):
+    for logged, predicted, regions in shared_pool(8).run(
+        _logged_against_predicted, MESH, spec, _tight_budget(spec)
+    ):
+        assert regions  # the tight budget made the solver recompute
+        assert any(phase == "recompute" for _, _, phase in logged)
+        assert logged == predicted
+
+
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_tight_budget_plans_match_serial(spec):
+    assert_equivalent(spec, MESH, memory_budget=_tight_budget(spec), hardware="nvlink-8")
+
+
+def _apply_saved(mesh, spec, text):
+    model, inputs = load_factory(spec)()
+    saved = autoshard.parallelize(model, mesh, inputs, plan=Plan.from_json(text))
+    solved = autoshard.parallelize(model, mesh, inputs, hardware="cpu-gloo", memory_budget=None)
+    return saved.code == solved.code, saved(*inputs).item(), solved(*inputs).item()
+
+
+def test_plans_save_as_json_and_apply_without_solving():
+    model, inputs = load_factory(GPT)()
+    plan = autoshard.plan(model, MESH, inputs, hardware="cpu-gloo")
+    text = plan.to_json()
+    assert Plan.from_json(text).to_json() == text
+    assert (
+        autoshard.plan(model, MESH, inputs, hardware="cpu-gloo").to_json() == text
+    )  # deterministic
+    for same_code, saved_loss, solved_loss in shared_pool(8).run(_apply_saved, MESH, GPT, text):
+        assert same_code and saved_loss == solved_loss
+
+
+def _rank_dependent_budget(mesh):
+    model, inputs = load_factory(GPT)()
+    budget = None if dist.get_rank() == 0 else _tight_budget(GPT)
+    autoshard.parallelize(model, mesh, inputs, memory_budget=budget, hardware="nvlink-8")
+
+
+def test_ranks_that_plan_differently_fail_clearly():
+    with pytest.raises(RankError, match="planned differently from rank 0"):
+        shared_pool(8).run(_rank_dependent_budget, MESH)
