@@ -10,18 +10,24 @@ from autoshard.api import ParallelModule, parallelize, plan
 from autoshard.comm import CommLog, CommRecord, comm_log
 from autoshard.errors import (
     AutoshardError,
+    BudgetError,
+    HardwareError,
     InputError,
     MeshError,
     ShapeError,
     StrategyError,
     TraceError,
 )
+from autoshard.hardware import Hardware
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
 
 __all__ = [
     "AutoshardError",
+    "BudgetError",
+    "Hardware",
+    "HardwareError",
     "CommLog",
     "CommRecord",
     "InputError",

@@ -30,7 +30,7 @@ import re
 import shutil
 import sys
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -180,11 +180,33 @@ def steps_text(steps: list[tuple[Step, bool]]) -> Text:
     return text
 
 
-def family_text(family: str, detail: str) -> Text:
+def family_text(family: str, detail: str, recomputed: bool = False) -> Text:
     text = Text(family, style=_FAMILY_STYLE.get(family, "dim"))
     if detail:
         text.append(" " + detail)
+    if recomputed:
+        text.append(" ↺ recomputed", style="magenta")
     return text
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> float:
+    """'80GiB', '512MiB', '1.5e9' → bytes."""
+    number = text.strip().lower()
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if unit and number.endswith(unit):
+            number, scale = number[: -len(unit)], _UNITS[unit]
+            break
+    else:
+        scale = 1
+    try:
+        return float(number) * scale
+    except ValueError:
+        raise UsageError(
+            f"--budget {text!r} is not a size: write e.g. 80GiB, 512MiB or 1e9"
+        ) from None
 
 
 def rank_coordinate(mesh: Mesh, rank: int) -> dict[str, int]:
@@ -256,9 +278,14 @@ def _header(console: Console, model, plan: Plan, strategy, parameters: dict) -> 
     grid.add_column()
     grid.add_row("model", Text(type(model).__name__, style="bold"))
     grid.add_row("mesh", f"{'×'.join(map(str, mesh.sizes))} ({axes}), {mesh.world_size} ranks")
-    grid.add_row(
-        "strategy", _plain(json.dumps(strategy) if isinstance(strategy, dict) else strategy)
-    )
+    if strategy is None or plan.choices:
+        chosen = Counter(plan.choices.values())
+        described = ", ".join(f"{option} ×{n}" if n > 1 else option for option, n in chosen.items())
+        grid.add_row("strategy", _plain(f"solved per block: {described}"))
+    else:
+        grid.add_row(
+            "strategy", _plain(json.dumps(strategy) if isinstance(strategy, dict) else strategy)
+        )
     grid.add_row("nodes", str(len(plan.nodes)))
     grid.add_row(
         "parameters",
@@ -280,12 +307,12 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
         pad_edge=False,
         leading=0 if wide else 1,
     )
-    table.add_column("node", style="bold", no_wrap=wide, overflow="fold")
+    table.add_column("node", style="bold", overflow="fold", max_width=24)
     if with_op:
-        table.add_column("op", no_wrap=True)
+        table.add_column("op", no_wrap=True, max_width=22, overflow="ellipsis")
     if wide:
-        table.add_column("module", overflow="fold")
-        table.add_column("strategy", overflow="fold")
+        table.add_column("module", overflow="fold", min_width=12)
+        table.add_column("strategy", overflow="fold", min_width=22)
     table.add_column("shape → local", no_wrap=True)
     table.add_column("stored", no_wrap=True)
     table.add_column("collectives (fwd ↔ bwd)", no_wrap=True)
@@ -319,7 +346,7 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
             node.name,
             short_op(node.op),
             node.module,
-            family_text(node.strategy.family, node.strategy.detail),
+            family_text(node.strategy.family, node.strategy.detail, node.name in plan.regions),
             f"{shape_text(node.shape)} → {shape_text(local)}",
             str(node.strategy.stored),
             steps_text(node.steps_with_grad()),
@@ -421,17 +448,38 @@ def _shards_table(plan: Plan, parameters: dict, coord: dict[str, int]) -> Table:
     return table
 
 
+def _cost_table(plan: Plan, hardware: str, budget: float | None) -> Table:
+    """The predicted cost of one training step on one rank."""
+    cost = plan.cost
+    table = Table(
+        title=f"predicted cost per rank and step (hardware {hardware})", title_justify="left"
+    )
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("step time", f"{cost.step_time * 1e3:.3f} ms")
+    table.add_row("  compute", f"{cost.compute * 1e3:.3f} ms")
+    table.add_row("  recompute", f"{cost.recompute * 1e3:.3f} ms")
+    for axis, seconds in cost.communication.items():
+        table.add_row(f"  communication over {axis}", f"{seconds * 1e3:.3f} ms")
+    limit = f" (budget {human_bytes(budget)})" if budget else ""
+    table.add_row("peak memory", f"{human_bytes(cost.peak_memory)}{limit}")
+    return table
+
+
 # ---------------------------------------------------------------------------- show
 
 
 def show(args, console: Console) -> None:
-    from autoshard.planner import plan_graph
+    from autoshard.api import _hardware
+    from autoshard.solver import plan_model
     from autoshard.trace import trace
     from passes import emit
 
     shape = parse_mesh(args.mesh)
     mesh = Mesh.from_shape(shape)
-    strategy = parse_strategy(args.strategy)
+    strategy = parse_strategy(args.strategy) if args.strategy else None
+    budget = parse_bytes(args.budget) if args.budget else None
+    hardware = _hardware(args.hardware)
     if not 0 <= args.rank < mesh.world_size:
         raise UsageError(
             f"--rank {args.rank} is not on the mesh: it has ranks 0..{mesh.world_size - 1}"
@@ -440,10 +488,12 @@ def show(args, console: Console) -> None:
         warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
         model, inputs = load_model(args.model)
         traced = trace(model, inputs)
-        plan = plan_graph(traced, mesh, strategy)
+        plan = plan_model(traced, mesh, strategy=strategy, memory_budget=budget, hardware=hardware)
         program = None if args.no_code else emit(traced, plan)
 
     _header(console, model, plan, strategy, traced.parameters)
+    console.print()
+    console.print(_cost_table(plan, hardware.name, budget))
     console.print()
     inputs = dict(zip(plan.entry_steps, traced.input_shapes))  # both in placeholder order
     console.print(_plan_table(plan, inputs, console.width))
@@ -541,9 +591,18 @@ def build_parser() -> argparse.ArgumentParser:
     show_parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 2x2x2 (axes a, b, c)")
     show_parser.add_argument(
         "--strategy",
-        default="3d",
-        help=f"one of {', '.join(FAMILIES)}, or a JSON object from module patterns to "
-        'families, e.g. \'{"layers.*.fc1": "replicated"}\' (default: 3d)',
+        default=None,
+        help=f"force one of {', '.join(FAMILIES)}, or a JSON object from module patterns to "
+        'families, e.g. \'{"layers.*.fc1": "replicated"}\' (default: the solver chooses)',
+    )
+    show_parser.add_argument(
+        "--budget", help="memory per rank the plan must fit, e.g. 80GiB (default: no limit)"
+    )
+    show_parser.add_argument(
+        "--hardware",
+        default=None,
+        help="hardware preset (nvlink-8, ib-cluster, cpu-gloo) or a profile written by "
+        "`autoshard calibrate` (default: nvlink-8)",
     )
     show_parser.add_argument(
         "--rank", type=int, default=0, help="whose program and shards to print (default: 0)"

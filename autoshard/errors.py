@@ -23,3 +23,11 @@ class InputError(AutoshardError):
 
 class StrategyError(AutoshardError):
     """An unknown strategy name or a strategy that cannot be applied to a node."""
+
+
+class HardwareError(AutoshardError):
+    """An unknown hardware preset or a malformed hardware profile."""
+
+
+class BudgetError(AutoshardError):
+    """No plan fits the memory budget."""

@@ -26,13 +26,9 @@ from pathlib import Path
 
 import torch
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import HardwareError
 
 DEFAULT = "nvlink-8"
-
-
-class HardwareError(AutoshardError):
-    """An unknown preset or a malformed hardware profile."""
 
 
 @dataclass(frozen=True)

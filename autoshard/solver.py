@@ -32,7 +32,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from autoshard.cost import node_costs, step_time
-from autoshard.errors import AutoshardError, StrategyError
+from autoshard.errors import BudgetError, StrategyError
 from autoshard.estimate import estimate, first_users, totals, unit_of
 from autoshard.hardware import Hardware
 from autoshard.layout import redistribute
@@ -42,10 +42,6 @@ from autoshard.planner import check_strategy, plan_graph
 from autoshard.trace import Traced, tensor_inputs
 
 SPACES = {"3d": ("3d", "3d-allreduce", "replicated")}
-
-
-class BudgetError(AutoshardError):
-    """No plan fits the memory budget."""
 
 
 @dataclass(frozen=True)

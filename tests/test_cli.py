@@ -28,7 +28,7 @@ def holds(out: str, parameter: str) -> str:
 
 
 def test_show_3d(capsys):
-    out = show(capsys, "--mesh", "2x2x2")
+    out = show(capsys, "--mesh", "2x2x2", "--strategy", "3d")
     assert "MLP" in out and "2×2×2" in out
     plan = plan_section(out)
     for node in ("layer_norm", "linear", "linear_1", "gelu", "add_2", "linear_6"):
@@ -44,8 +44,8 @@ def test_show_3d(capsys):
 
 
 def test_rank_changes_shards(capsys):
-    first = show(capsys, "--mesh", "2x2x2", "--rank", "0")
-    last = show(capsys, "--mesh", "2x2x2", "--rank", "7")
+    first = show(capsys, "--mesh", "2x2x2", "--strategy", "3d", "--rank", "0")
+    last = show(capsys, "--mesh", "2x2x2", "--strategy", "3d", "--rank", "7")
     assert "rank 7's program (mesh coordinate a=1, b=1, c=1)" in last
     # fc1.weight is S0(b,a) S1(c): rank 7 holds chunk 1*2+1 = 3 of 4 row chunks of 16
     assert holds(first, "layers.0.fc1.weight") == "rows 0:16, cols 0:8"
@@ -104,6 +104,21 @@ def test_bad_model_exits_2(capsys, model, message):
     assert message in capsys.readouterr().err
 
 
+def test_solved_with_a_budget_shows_the_cost_and_the_recomputed_nodes(capsys):
+    out = show(capsys, "--mesh", "2x2x2", "--budget", "25KiB", "--hardware", "nvlink-8")
+    assert "solved per block" in out and "recompute" in out
+    assert "↺ recomputed" in plan_section(out)
+    assert re.search(r"peak memory\s+│\s+[\d.]+ KiB \(budget 25.0 KiB\)", out)
+    assert "torch.utils.checkpoint.checkpoint(recompute_layers_" in out
+
+
+def test_an_impossible_budget_names_the_smallest(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["show", f"{MLP}:mlp", "--mesh", "2x2x2", "--budget", "1KiB"])
+    assert exit_info.value.code == 2
+    assert "smallest that fits is" in capsys.readouterr().err
+
+
 def test_helpers():
     assert parse_mesh("2x2x2") == (2, 2, 2) and parse_mesh("1×2×4") == (1, 2, 4)
     mesh = Mesh.from_shape((2, 2, 2))
@@ -122,7 +137,7 @@ def test_summary_matches_plan_prediction():
     from autoshard.testing import load_factory
 
     model, inputs = load_factory(f"{MLP}:mlp")()
-    the_plan = plan(model, (2, 2, 2), inputs)
+    the_plan = plan(model, (2, 2, 2), inputs, strategy="3d")
     rows = predicted(the_plan)
     assert sum(nbytes for _, nbytes, _ in rows.values()) == sum(the_plan.predicted_comm().values())
     assert all(calls > 0 and ring > 0 for calls, _, ring in rows.values())
