@@ -47,15 +47,9 @@ def plan(
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
     number).
     """
-    return plan_model(
-        trace(model, example_inputs),
-        Mesh.from_shape(mesh_shape),
-        strategy=strategy,
-        memory_budget=memory_budget,
-        hardware=_hardware(hardware),
-        strategy_space=strategy_space,
-        optimizer=_optimizer(optimizer),
-    )
+    traced = trace(model, example_inputs)
+    mesh = Mesh.from_shape(mesh_shape)
+    return _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer)
 
 
 def parallelize(
@@ -80,15 +74,7 @@ def parallelize(
     layout = Mesh.from_device_mesh(mesh)
     traced = trace(model, example_inputs)
     if plan is None:
-        plan = plan_model(
-            traced,
-            layout,
-            strategy=strategy,
-            memory_budget=memory_budget,
-            hardware=_hardware(hardware),
-            strategy_space=strategy_space,
-            optimizer=_optimizer(optimizer),
-        )
+        plan = _solved(traced, layout, strategy, memory_budget, hardware, strategy_space, optimizer)
     elif plan.mesh != layout:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
     _check_same_on_every_rank(plan)
@@ -97,6 +83,18 @@ def parallelize(
     with comm.bound(bound):
         program = ShardParameters(plan, traced.parameters)(program)
     return ParallelModule(program, plan, traced, bound)
+
+
+def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
+    return plan_model(
+        traced,
+        mesh,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        hardware=_hardware(hardware),
+        strategy_space=strategy_space,
+        optimizer=_optimizer(optimizer),
+    )
 
 
 def _hardware(hardware) -> Hardware:

@@ -25,6 +25,7 @@ the backward that keeps autograd exact:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -159,6 +160,11 @@ def redistribute(
     such axis's last step reduces it (reduce-scatter or all-reduce, or an
     identity whose backward all-reduces).
     """
+    return list(_redistribute(src, dst, tuple(shape), itemsize, mesh, frozenset(grad_partial)))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the planner asks the same questions for every block
+def _redistribute(src, dst, shape, itemsize, mesh, grad_partial) -> tuple[Step, ...]:
     grad_partial = {a for a in grad_partial if mesh.size(a) > 1}
     dims = [list(axes) for axes in src.dims]
     partial = [a for a in mesh.names if a in src.partial]
@@ -207,7 +213,7 @@ def redistribute(
             out.append(
                 Step("grad_all_reduce", axis, None, "all_reduce", local_bytes, mesh.size(axis))
             )
-    return out
+    return tuple(out)
 
 
 def steps_ring_bytes(steps: list[Step]) -> float:

@@ -142,3 +142,12 @@ def test_summary_matches_plan_prediction():
     assert sum(nbytes for _, nbytes, _ in rows.values()) == sum(the_plan.predicted_comm().values())
     assert all(calls > 0 and ring > 0 for calls, _, ring in rows.values())
     assert {phase for _, _, phase in rows} == {"forward", "backward"}
+
+
+def test_show_a_12_layer_gpt(capsys):
+    gpt = Path(__file__).parents[1] / "examples/gpt.py"
+    assert main(["show", f"{gpt}:gpt_12l", "--mesh", "2x2x2", "--strategy", "3d", "--no-code"]) == 0
+    plan = plan_section(capsys.readouterr().out)
+    for block in range(12):
+        assert f"blocks.{block}." in plan
+    assert "vocab-parallel" in plan and "scaled_dot_product_attention" in plan

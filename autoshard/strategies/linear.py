@@ -19,6 +19,7 @@ candidate, so consecutive linears swap K and N where that saves a collective.
 
 from __future__ import annotations
 
+import functools
 from itertools import permutations
 
 from torch.ops import aten
@@ -39,11 +40,29 @@ def matmul_candidates(
 ) -> list[Strategy]:
     """Candidates for ``X @ W`` with X = input `x`, weight input `w` (its output dim
     `w_out_dim`, contraction dim `w_in_dim`) and an optional bias input."""
-    mesh = ctx.mesh
-    x_nd = len(ctx.shape(x))
-    out_nd = len(ctx.out_shape)
+    shapes = tuple(ctx.shape(i) for i in range(len(ctx.inputs)))
+    return list(
+        _candidates(
+            ctx.family,
+            ctx.mesh,
+            shapes,
+            ctx.out_shape,
+            ctx.layout(x),
+            x,
+            w,
+            bias,
+            w_out_dim,
+            w_in_dim,
+        )
+    )
+
+
+@functools.lru_cache(maxsize=4096)  # identical blocks ask for identical layers
+def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim, w_in_dim):
+    x_nd = len(shapes[x])
+    out_nd = len(out_shape)
     feat = x_nd - 1
-    n_inputs = len(ctx.inputs)
+    n_inputs = len(shapes)
 
     def assemble(family, x_in, w_in, w_store, out, stored, bias_in, detail):
         inputs = [None] * n_inputs
@@ -63,13 +82,12 @@ def matmul_candidates(
             detail=detail,
         )
 
-    if ctx.family == "replicated":
+    if family == "replicated":
         rep = Layout.replicated
         return [
             assemble("replicated", rep(x_nd), rep(2), rep(2), rep(out_nd), rep(out_nd), rep(1), "R")
         ]
 
-    incoming = ctx.layout(x)
     candidates = []
     for m, k, n in permutations(mesh.names):
         # Token dims for M, then for the K scatter: the dim the incoming N shard sits on
@@ -83,7 +101,7 @@ def matmul_candidates(
             out = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))], partial=(k,))
             bias_in = _layout(1, [(0, (n,))])
             roles = f"M={m} K={k} N={n}"
-            if ctx.family == "3d-allreduce":
+            if family == "3d-allreduce":
                 stored = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))])
                 candidates.append(
                     assemble("3d-allreduce", x_in, w_in, w_in, out, stored, bias_in, roles)
@@ -94,23 +112,22 @@ def matmul_candidates(
                 _layout(2, [(w_out_dim, (n,)), (w_in_dim, (k, m))]),
                 w_in,
             ):
-                if not w_store.normalized(mesh).indivisible(ctx.shape(w), mesh):
+                if not w_store.normalized(mesh).indivisible(shapes[w], mesh):
                     break
             for dk in scatter_dims:
                 stored = _layout(out_nd, [(dm, (m,)), (dk, (k,)), (out_nd - 1, (n,))])
                 candidates.append(assemble("3d", x_in, w_in, w_store, out, stored, bias_in, roles))
-    return _valid(ctx, candidates)
+    return tuple(_valid(shapes, out_shape, mesh, candidates))
 
 
-def _valid(ctx: Context, candidates: list[Strategy]) -> list[Strategy]:
+def _valid(shapes, out_shape, mesh, candidates: list[Strategy]) -> list[Strategy]:
     """Drop candidates whose shards do not divide, and duplicates (size-1 axes)."""
     seen, out = set(), []
     for c in candidates:
-        shapes = [ctx.shape(i) for i in range(len(ctx.inputs))]
         layouts = list(c.inputs) + [c.storage_for(i) for i in range(len(c.inputs))]
         fits = all(
-            not lay.indivisible(shape, ctx.mesh) for lay, shape in zip(layouts, shapes + shapes)
-        ) and not c.stored.indivisible(ctx.out_shape, ctx.mesh)
+            not lay.indivisible(shape, mesh) for lay, shape in zip(layouts, shapes + shapes)
+        ) and not c.stored.indivisible(out_shape, mesh)
         key = (c.inputs, c.stored, tuple(c.storage_for(i) for i in range(len(c.inputs))))
         if fits and key not in seen:
             seen.add(key)
