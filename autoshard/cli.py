@@ -596,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
         'families, e.g. \'{"layers.*.fc1": "replicated"}\' (default: the solver chooses)',
     )
     show_parser.add_argument(
-        "--budget", help="memory per rank the plan must fit, e.g. 80GiB (default: no limit)"
+        "--budget",
+        help="memory per rank the plan must fit, e.g. 80GiB (default: the hardware's memory)",
     )
     show_parser.add_argument(
         "--hardware",

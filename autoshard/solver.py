@@ -253,6 +253,7 @@ def plan_model(
 ) -> Plan:
     """The plan: forced by `strategy`, else solved; with its predicted cost.
 
+    The solver's budget is `memory_budget`, or the hardware's memory per device.
     A single family with a budget solves only where to recompute."""
     if strategy_space not in SPACES:
         raise StrategyError(
@@ -265,6 +266,8 @@ def plan_model(
     else:
         check_strategy(strategy)
         space = (strategy,) if strategy else SPACES[strategy_space]
+        if memory_budget is None:
+            memory_budget = hardware.memory_per_device
         problem = build_problem(traced, mesh, hardware, space, optimizer)
         # The problem prices each unit as its family plans it alone; a unit next to one
         # of another family may be planned a little differently. If the plan itself

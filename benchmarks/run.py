@@ -64,7 +64,9 @@ def rewrite_table(layer_counts) -> Table:
 
 
 def solver_table(layer_counts, meshes) -> Table:
-    table = Table(title="Export against planning with the solver (hardware nvlink-8, no budget)")
+    table = Table(
+        title="Export against planning with the solver (hardware nvlink-8, budget 80 GiB)"
+    )
     for column in ("layers", "mesh", "export s", "planning s", "planning/export", "chosen"):
         table.add_column(column, justify="right")
     hardware = Hardware.load("nvlink-8")

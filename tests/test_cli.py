@@ -150,4 +150,4 @@ def test_show_a_12_layer_gpt(capsys):
     plan = plan_section(capsys.readouterr().out)
     for block in range(12):
         assert f"blocks.{block}." in plan
-    assert "vocab-parallel" in plan and "scaled_dot_product_attention" in plan
+    assert "vocab-parallel" in plan and "batch and heads" in plan
