@@ -69,7 +69,7 @@ class Layout:
         )
 
     def shard_counts(self, mesh: Mesh) -> tuple[int, ...]:
-        return tuple(math.prod(mesh.size(a) for a in axes) for axes in self.dims)
+        return tuple(mesh.count(axes) for axes in self.dims)
 
     def indivisible(self, shape, mesh: Mesh) -> str | None:
         """Why `shape` cannot be split this way, or None when it can."""
@@ -171,7 +171,7 @@ def _redistribute(src, dst, shape, itemsize, mesh, grad_partial) -> tuple[Step, 
     steps: list[tuple[str, str, int | None, int]] = []
 
     def local_numel() -> int:
-        return math.prod(s // math.prod(mesh.size(a) for a in axes) for s, axes in zip(shape, dims))
+        return math.prod(s // mesh.count(axes) for s, axes in zip(shape, dims))
 
     for d, want in enumerate(dst.dims):
         keep = 0

@@ -53,6 +53,10 @@ class Mesh:
     def size(self, axis: str) -> int:
         return self.sizes[self.names.index(axis)]
 
+    def count(self, axes) -> int:
+        """How many parts `axes` split a dim into together."""
+        return math.prod(self.size(a) for a in axes)
+
     def index(self, axis: str) -> int:
         return self.names.index(axis)
 

@@ -12,8 +12,6 @@ given their local shape arguments, or lowered to the implementation in
 
 from __future__ import annotations
 
-import math
-
 from torch import fx
 from torch.ops import aten
 
@@ -37,7 +35,7 @@ def _dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 def _mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    scale = 1 / math.prod(mesh.size(a) for a in placed.strategy.output.partial)
+    scale = 1 / mesh.count(placed.strategy.output.partial)
     node.target = ops.mean
     node.kwargs = {**node.kwargs, "scale": scale}
 

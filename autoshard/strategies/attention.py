@@ -19,13 +19,6 @@ from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.views import _dim_arg, _unshard
 
 
-def _count(axes, ctx: Context) -> int:
-    out = 1
-    for a in axes:
-        out *= ctx.mesh.size(a)
-    return out
-
-
 def _query_layouts(ctx: Context) -> list[Layout]:
     """The query layout as it comes, and with its sequence/head_dim axes moved to heads."""
     q = ctx.layout(0)
@@ -34,9 +27,9 @@ def _query_layouts(ctx: Context) -> list[Layout]:
     batch, heads = list(q.dims[0]), list(q.dims[1])
     b_size, h_size = ctx.shape(0)[:2]
     for axis in freed:
-        if (h_size // _count(heads, ctx)) % ctx.mesh.size(axis) == 0:
+        if (h_size // ctx.mesh.count(heads)) % ctx.mesh.size(axis) == 0:
             heads.append(axis)
-        elif (b_size // _count(batch, ctx)) % ctx.mesh.size(axis) == 0:
+        elif (b_size // ctx.mesh.count(batch)) % ctx.mesh.size(axis) == 0:
             batch.append(axis)
     moved = Layout((tuple(batch), tuple(heads), (), ()))
     return [moved, kept] if moved != kept else [kept]
@@ -51,7 +44,7 @@ def sdpa(ctx: Context) -> list[Strategy]:
         for i in range(1, len(ctx.inputs)):
             shape = ctx.shape(i)
             if i in (1, 2):  # key, value: maybe fewer heads
-                heads = q.dims[1] if shape[1] % _count(q.dims[1], ctx) == 0 else ()
+                heads = q.dims[1] if shape[1] % ctx.mesh.count(q.dims[1]) == 0 else ()
                 batch = q.dims[0] if shape[0] == out_shape[0] else ()
                 inputs.append(Layout((batch, heads, (), ())))
             else:  # the mask broadcasts against the scores [B, heads, S, S]

@@ -7,8 +7,6 @@ per token), and the mean over tokens is reduced over the token axes.
 
 from __future__ import annotations
 
-import math
-
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
@@ -27,7 +25,7 @@ def cross_entropy(ctx: Context) -> list[Strategy]:
     tokens, vocab = logits.dims
     target = Layout((tokens,))
     itemsize = ctx.inputs[0].meta["val"].element_size()
-    local_tokens = ctx.shape(0)[0] // math.prod(ctx.mesh.size(a) for a in tokens)
+    local_tokens = ctx.shape(0)[0] // ctx.mesh.count(tokens)
 
     def reduce(axes, nbytes):
         return tuple(

@@ -54,7 +54,7 @@ def reshape_layouts(x: Layout, in_shape, out_shape, mesh: Mesh) -> tuple[Layout,
         axes = []
         for d in gi:
             outer = gi[: gi.index(d)]
-            if axes and math.prod(in_shape[e] // _count(need[e], mesh) for e in outer) != 1:
+            if axes and math.prod(in_shape[e] // mesh.count(need[e]) for e in outer) != 1:
                 need[d] = []
             axes.extend(need[d])
         placed = 0
@@ -72,10 +72,6 @@ def reshape_layouts(x: Layout, in_shape, out_shape, mesh: Mesh) -> tuple[Layout,
         for d in gi:
             need[d] = [a for a in need[d] if a not in dropped]
     return Layout(tuple(tuple(a) for a in need)), Layout(tuple(tuple(a) for a in out))
-
-
-def _count(axes, mesh: Mesh) -> int:
-    return math.prod(mesh.size(a) for a in axes)
 
 
 @register(
