@@ -1,4 +1,5 @@
-"""Small factory and mask ops (arange, full, tril, cumsum on ids, index, comparisons):
+"""Small factory and mask ops (arange, full, tril, cumsum on ids, index, comparisons,
+the outer product that builds rotary tables):
 they run replicated, on purpose and without a warning; their consumers take the
 part they need for free."""
 
@@ -25,6 +26,7 @@ REPLICATED = (
     aten.tril.default,
     aten.triu.default,
     aten.cumsum.default,
+    aten.outer.default,
     aten.diff.default,
     aten.index.Tensor,
     aten.gather.default,
