@@ -97,9 +97,6 @@ class Context:
     def layout(self, i: int) -> Layout:
         return self.layouts[i] or Layout.replicated(len(self.shape(i)))
 
-    def owns(self, i: int) -> bool:
-        return self.layouts[i] is None
-
 
 Rule = Callable[[Context], list[Strategy]]
 _REGISTRY: dict[object, Rule] = {}

@@ -153,5 +153,3 @@ def matmul(ctx: Context) -> list[Strategy]:
         return replicated_fallback(ctx)  # a product of activations, not a layer
     return matmul_candidates(ctx, x=0, w=1, bias=None, w_out_dim=1, w_in_dim=0)
 
-
-MATMUL_OPS = (aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default)
