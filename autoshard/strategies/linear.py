@@ -152,4 +152,3 @@ def matmul(ctx: Context) -> list[Strategy]:
     if len(ctx.shape(1)) != 2 or ctx.inputs[1].op != "get_attr":
         return replicated_fallback(ctx)  # a product of activations, not a layer
     return matmul_candidates(ctx, x=0, w=1, bias=None, w_out_dim=1, w_in_dim=0)
-
