@@ -2,9 +2,12 @@
 predicted step time whose peak per-rank memory fits the budget.
 
 The graph is cut into units: each repeated block (``blocks.3``,
-``model.layers.7``) and the rest of the model (embeddings, final norm, head,
-loss). Each unit takes one option, a family (``"3d"``, ``"3d-allreduce"``,
-``"replicated"``) and, for blocks, whether it is a checkpoint region. A unit's
+``model.layers.7``), cut again wherever one activation carries everything
+forward (a transformer block's attention and its MLP become ``blocks.3#0``
+and ``blocks.3#1``), and the rest of the model before and after the blocks
+(embeddings; final norm, head, loss). Each unit takes one option, a family
+(``"3d"``, ``"3d-allreduce"``, ``"replicated"``) and, for block parts,
+whether it is a checkpoint region. A unit's
 cost under a family comes from planning the whole model in that family once
 and summing the cost model over the unit's nodes (identical blocks cost the
 same); two neighbouring units in different families also pay for converting
@@ -77,7 +80,7 @@ def build_problem(
     traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
 ) -> Problem:
     plans = {f: plan_graph(traced, mesh, f) for f in families}
-    unit = units_of(plans[families[0]])
+    unit = units_of(traced, plans[families[0]])
     units = list(dict.fromkeys(unit.values()))
     problem = Problem(units, {}, {}, {}, {}, {})
     problem.plans, problem.unit = plans, unit
@@ -115,15 +118,59 @@ def build_problem(
 PROLOGUE, EPILOGUE = "<prologue>", "<epilogue>"
 
 
-def units_of(plan: Plan) -> dict[str, str]:
-    """Node name → its unit: the repeated block it is in, or the prologue (before the
-    first block) or epilogue (after) for the rest of the model."""
+def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
+    """Node name → its unit: a part of a repeated block, or the prologue (before the
+    first block) or epilogue (after) for the rest of the model.
+
+    A block is cut wherever one activation carries everything forward (after a
+    transformer block's attention residual, say): its parts are `blocks.3#0`,
+    `blocks.3#1`, each a unit of its own."""
     out, seen_block = {}, False
+    blocks: dict[str, list[str]] = defaultdict(list)
     for node in plan.nodes.values():
         block = unit_of(node.module)
         seen_block = seen_block or bool(block)
         out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
+        if block:
+            blocks[block].append(node.name)
+    graph = {n.name: n for n in traced.graph_module.graph.nodes}
+    for block, names in blocks.items():
+        parts = _parts(graph, names)
+        if len(parts) > 1:
+            for i, part in enumerate(parts):
+                for name in part:
+                    out[name] = f"{block}#{i}"
     return out
+
+
+def _parts(graph: dict, names: list[str]) -> list[list[str]]:
+    """`names` (a block's nodes, in order) cut after every node past which a single
+    activation is live: produced in the block and used later, or entering the block
+    and used by a later node of it. Parameters do not count."""
+    position = {name: i for i, name in enumerate(names)}
+    last_use: dict[str, float] = {}  # value → position of its last use (inf: outside)
+    for name in names:
+        for inp in graph[name].all_input_nodes:
+            if inp.op != "get_attr":
+                last_use[inp.name] = max(last_use.get(inp.name, -1), position[name])
+        if any(user.name not in position for user in graph[name].users):
+            last_use[name] = math.inf
+        else:
+            last_use.setdefault(name, -1)
+            for user in graph[name].users:
+                last_use[name] = max(last_use[name], position[user.name])
+    parts, start = [], 0
+    for j in range(len(names) - 1):
+        live = [
+            v
+            for v, last in last_use.items()
+            if last > j and (v not in position or position[v] <= j)
+        ]
+        if len(live) == 1 and live[0] in position:
+            parts.append(names[start : j + 1])
+            start = j + 1
+    parts.append(names[start:])
+    return parts
 
 
 def _signature(plan: Plan, names: list[str]) -> tuple:

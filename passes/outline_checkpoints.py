@@ -16,6 +16,7 @@ logs the replayed collectives as "recompute".
 from __future__ import annotations
 
 import operator
+import re
 import warnings
 
 import torch.utils.checkpoint
@@ -62,7 +63,7 @@ class OutlineCheckpoints:
         for node in members:
             env[node] = body.node_copy(node, lambda a: env[a])
         body.output(tuple(env[n] for n in outputs))
-        name = "recompute_" + region.replace(".", "_")
+        name = "recompute_" + re.sub(r"\W", "_", region)  # blocks.3#1 → recompute_blocks_3_1
         gm.add_submodule(name, fx.GraphModule(gm, body, class_name="Recomputed"))
 
         # Nodes outside the region that sit between its first and last node and read
