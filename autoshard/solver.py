@@ -1,5 +1,5 @@
-"""Choose, per block, a layout family and whether to recompute it: the minimum
-predicted step time whose peak per-rank memory fits the budget.
+"""Choose, per block part, a layout family and whether to recompute it: the
+minimum predicted step time whose peak per-rank memory fits the budget.
 
 The graph is cut into units: each repeated block (``blocks.3``,
 ``model.layers.7``), cut again wherever one activation carries everything
@@ -7,12 +7,11 @@ forward (a transformer block's attention and its MLP become ``blocks.3#0``
 and ``blocks.3#1``), and the rest of the model before and after the blocks
 (embeddings; final norm, head, loss). Each unit takes one option, a family
 (``"3d"``, ``"3d-allreduce"``, ``"replicated"``) and, for block parts,
-whether it is a checkpoint region. A unit's
-cost under a family comes from planning the whole model in that family once
-and summing the cost model over the unit's nodes (identical blocks cost the
-same); two neighbouring units in different families also pay for converting
-the activations that cross between them. The problem is an integer program
-solved by HiGHS:
+whether it is a checkpoint region. A unit's cost under a family comes from
+planning the whole model in that family once and summing the cost model over
+the unit's nodes (identical blocks cost the same); two neighbouring units in
+different families also pay for converting the activations that cross between
+them. The problem is an integer program solved by HiGHS:
 
     minimize   Σ time[u, o]·x[u, o] + Σ convert[u, f, g]·e[u, f, g]
     subject to Σ_o x[u, o] = 1                       one option per unit

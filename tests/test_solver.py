@@ -169,3 +169,26 @@ def _rank_dependent_budget(mesh):
 def test_ranks_that_plan_differently_fail_clearly():
     with pytest.raises(RankError, match="planned differently from rank 0"):
         shared_pool(8).run(_rank_dependent_budget, MESH)
+
+
+def test_blocks_are_cut_where_one_activation_carries_everything():
+    from autoshard.planner import plan_graph
+    from autoshard.solver import units_of
+
+    def units(spec):
+        model, inputs = load_factory(spec)()
+        traced = trace(model, inputs)
+        return units_of(traced, plan_graph(traced, Mesh.from_shape(MESH), "3d"))
+
+    gpt = units(GPT)
+    assert list(dict.fromkeys(gpt.values())) == [
+        "<prologue>",
+        "blocks.0#0",
+        "blocks.0#1",
+        "blocks.1#0",
+        "blocks.1#1",
+        "<epilogue>",
+    ]
+    assert gpt["scaled_dot_product_attention"] == "blocks.0#0" and gpt["gelu"] == "blocks.0#1"
+    mlp = units(MLP)  # the residual stays live through each MLP block: no cut inside
+    assert list(dict.fromkeys(mlp.values())) == ["layers.0", "layers.1", "layers.2", "<epilogue>"]
