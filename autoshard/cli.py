@@ -600,6 +600,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory per rank the plan must fit, e.g. 80GiB (default: the hardware's memory)",
     )
     show_parser.add_argument(
+        "--space",
+        default="3d",
+        choices=("3d", "all"),
+        help="what the solver chooses from: the 3D families and replicated (3d), or also every "
+        "role assignment (all: data parallel, Megatron 1D/2D, …) (default: 3d)",
+    )
+    show_parser.add_argument(
         "--hardware",
         default=None,
         help="hardware preset (nvlink-8, ib-cluster, cpu-gloo) or a profile written by "

@@ -55,7 +55,7 @@ def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
     if family == "replicated" or val.ndim < 2 or not val.dtype.is_floating_point:
         return Layout.replicated(val.ndim)
     a, b, c = mesh.names
-    token_axes = (a, b) if family == "3d" else (a,)
+    token_axes = (a,) if family.endswith("allreduce") else (a, b)
     dims = [[] for _ in range(val.ndim)]
     local = list(val.shape)
     for axis in token_axes:

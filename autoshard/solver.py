@@ -43,7 +43,10 @@ from autoshard.plan import Plan
 from autoshard.planner import check_strategy, plan_graph
 from autoshard.trace import Traced, tensor_inputs
 
-SPACES = {"3d": ("3d", "3d-allreduce", "replicated")}
+SPACES = {
+    "3d": ("3d", "3d-allreduce", "replicated"),
+    "all": ("3d", "3d-allreduce", "replicated", "any", "any-allreduce"),
+}
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
 from autoshard.ranks import RankError, shared_pool
-from autoshard.solver import BudgetError, Problem, brute_force, build_problem, solve
+from autoshard.solver import SPACES, BudgetError, Problem, brute_force, build_problem, solve
 from autoshard.testing import assert_equivalent, load_factory
 from autoshard.trace import trace
 
@@ -192,3 +192,25 @@ def test_blocks_are_cut_where_one_activation_carries_everything():
     assert gpt["scaled_dot_product_attention"] == "blocks.0#0" and gpt["gelu"] == "blocks.0#1"
     mlp = units(MLP)  # the residual stays live through each MLP block: no cut inside
     assert list(dict.fromkeys(mlp.values())) == ["layers.0", "layers.1", "layers.2", "<epilogue>"]
+
+
+def test_the_all_space_holds_data_parallel_megatron_and_3d_and_never_does_worse():
+    from autoshard.strategies.linear import _roles
+
+    roles = set(_roles("any", Mesh.from_shape(MESH)))
+    assert (("a", "b", "c"), (), ()) in roles  # data parallel
+    assert {(("a", "b"), (), ("c",)), (("a", "b"), ("c",), ())} <= roles  # Megatron 1D over c
+    assert (("a",), ("b",), ("c",)) in roles  # 3D
+    three_d, everything = _problem(GPT), _problem(GPT, families=SPACES["all"])
+    for budget in (None, _peaks(three_d)[len(_peaks(three_d)) // 3]):
+        best_3d = three_d.evaluate(solve(three_d, budget))[0]
+        assert everything.evaluate(solve(everything, budget))[0] <= best_3d * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "spec, mesh, family",
+    [(MLP, (2, 2, 2), "any"), (GPT, (2, 2, 2), "any"), (LLAMA, (1, 2, 4), "any-allreduce")],
+    ids=["mlp-any", "gpt-any", "llama-any-allreduce"],
+)
+def test_any_role_assignment_matches_serial(spec, mesh, family):
+    assert_equivalent(spec, mesh, strategy=family)

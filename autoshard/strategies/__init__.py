@@ -27,7 +27,7 @@ from torch import fx
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 
-FAMILIES = ("3d", "3d-allreduce", "replicated")
+FAMILIES = ("3d", "3d-allreduce", "replicated", "any", "any-allreduce")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ candidate, so consecutive linears swap K and N where that saves a collective.
 from __future__ import annotations
 
 import functools
-from itertools import permutations
+from itertools import permutations, product
 
 from torch.ops import aten
 
@@ -89,35 +89,51 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
         ]
 
     candidates = []
-    for m, k, n in permutations(mesh.names):
+    allreduce = family.endswith("allreduce")
+    for m, k, n in _roles(family, mesh):
         # Token dims for M, then for the K scatter: the dim the incoming N shard sits on
         # first, so that the next layer gathers where this one scattered.
         token_dims = list(range(feat))
-        n_dim = incoming.dim_of(n)
+        n_dim = incoming.dim_of(n[0]) if n else None
         scatter_dims = sorted(token_dims, key=lambda d: d != n_dim)
         for dm in token_dims:
-            x_in = _layout(x_nd, [(dm, (m,)), (feat, (k,))])
-            w_in = _layout(2, [(w_out_dim, (n,)), (w_in_dim, (k,))])
-            out = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))], partial=(k,))
-            bias_in = _layout(1, [(0, (n,))])
-            roles = f"M={m} K={k} N={n}"
-            if family == "3d-allreduce":
-                stored = _layout(out_nd, [(dm, (m,)), (out_nd - 1, (n,))])
-                candidates.append(
-                    assemble("3d-allreduce", x_in, w_in, w_in, out, stored, bias_in, roles)
-                )
+            x_in = _layout(x_nd, [(dm, m), (feat, k)])
+            w_in = _layout(2, [(w_out_dim, n), (w_in_dim, k)])
+            out = _layout(out_nd, [(dm, m), (out_nd - 1, n)], partial=k)
+            bias_in = _layout(1, [(0, n)])
+            roles = " ".join(f"{r}={','.join(axes) or '-'}" for r, axes in zip("MKN", (m, k, n)))
+            if allreduce:
+                stored = _layout(out_nd, [(dm, m), (out_nd - 1, n)])
+                candidates.append(assemble(family, x_in, w_in, w_in, out, stored, bias_in, roles))
                 continue
             for w_store in (
-                _layout(2, [(w_out_dim, (n, m)), (w_in_dim, (k,))]),
-                _layout(2, [(w_out_dim, (n,)), (w_in_dim, (k, m))]),
+                _layout(2, [(w_out_dim, n + m), (w_in_dim, k)]),
+                _layout(2, [(w_out_dim, n), (w_in_dim, k + m)]),
                 w_in,
             ):
                 if not w_store.normalized(mesh).indivisible(shapes[w], mesh):
                     break
             for dk in scatter_dims:
-                stored = _layout(out_nd, [(dm, (m,)), (dk, (k,)), (out_nd - 1, (n,))])
-                candidates.append(assemble("3d", x_in, w_in, w_store, out, stored, bias_in, roles))
+                stored = _layout(out_nd, [(dm, m), (dk, k), (out_nd - 1, n)])
+                candidates.append(
+                    assemble(family, x_in, w_in, w_store, out, stored, bias_in, roles)
+                )
     return tuple(_valid(shapes, out_shape, mesh, candidates))
+
+
+def _roles(family: str, mesh) -> list[tuple[tuple[str, ...], ...]]:
+    """(M axes, K axes, N axes) per candidate: one axis each, in every order, for the 3D
+    families; for "any" and "any-allreduce" every assignment of the axes to M, K, N or
+    none (replicated work), from which data parallel (M on every axis) and Megatron's
+    1D and 2D layouts fall out."""
+    if family.startswith("3d"):
+        return [((m,), (k,), (n,)) for m, k, n in permutations(mesh.names)]
+    out = []
+    for roles in product("MKNR", repeat=len(mesh.names)):
+        out.append(
+            tuple(tuple(a for a, r in zip(mesh.names, roles) if r == role) for role in "MKN")
+        )
+    return out
 
 
 def _valid(shapes, out_shape, mesh, candidates: list[Strategy]) -> list[Strategy]:
