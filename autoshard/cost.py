@@ -486,7 +486,7 @@ def node_costs(
     computes on and saves), the node's own result at the strategy's output
     layout. A parameter that reaches the node through a step is a new tensor,
     so it counts as saved when the node keeps it."""
-    graph_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+    graph_nodes = traced.nodes
     mesh = plan.mesh
     out: dict[str, NodeCost] = {}
     for name, node_plan in plan.nodes.items():

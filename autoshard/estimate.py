@@ -61,7 +61,7 @@ def totals(
     (`first_users`: FQN → node name, from `first_users`)."""
     names = list(dict.fromkeys(names))  # ordered: float sums must not depend on hashing
     members = set(names)
-    graph = {n.name: n for n in traced.graph_module.graph.nodes}
+    graph = traced.nodes
     compute = forward = 0.0
     comm: dict[str, float] = defaultdict(float)
     saved = params = entry = 0

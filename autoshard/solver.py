@@ -84,8 +84,7 @@ def build_problem(
     plans = {f: plan_graph(traced, mesh, f) for f in families}
     unit = units_of(traced, plans[families[0]])
     units = list(dict.fromkeys(unit.values()))
-    problem = Problem(units, {}, {}, {}, {}, {})
-    problem.plans, problem.unit = plans, unit
+    problem = Problem(units, {}, {}, {}, {}, {}, plans, unit)
     cache: dict[tuple, tuple] = {}
     for family, plan in plans.items():
         costs = node_costs(traced, plan, hardware)
@@ -135,7 +134,7 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
         out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
         if block:
             blocks[block].append(node.name)
-    graph = {n.name: n for n in traced.graph_module.graph.nodes}
+    graph = traced.nodes
     for block, names in blocks.items():
         parts = _parts(graph, names)
         if len(parts) > 1:
@@ -183,7 +182,7 @@ def _boundary(traced, before: Plan, after: Plan, names: set, hardware: Hardware,
     """Seconds to convert what enters the nodes `names` from the layout `before`
     stores it in to the layout `after` does."""
     seconds = 0.0
-    graph = {n.name: n for n in traced.graph_module.graph.nodes}
+    graph = traced.nodes
     entering = {
         inp
         for name in names

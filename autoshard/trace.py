@@ -14,6 +14,7 @@ program keeps the model's parameter names.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import fx
@@ -29,6 +30,11 @@ class Traced:
     out_spec: pytree.TreeSpec
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
     aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
+
+    @cached_property
+    def nodes(self) -> dict[str, fx.Node]:
+        """The graph's nodes by name (plans name nodes, passes and costs look them up)."""
+        return {n.name: n for n in self.graph_module.graph.nodes}
 
 
 def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
