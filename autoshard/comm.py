@@ -143,6 +143,16 @@ def recompute_context():
     return contextlib.nullcontext(), replay()
 
 
+@contextlib.contextmanager
+def in_phase(phase: str):
+    """Log the collectives run inside the block under `phase`."""
+    token = _PHASE.set(phase)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
+
+
 def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str) -> None:
     for log in _LOGS.get():
         log.records.append(CommRecord(kind, axis.name, axis.size, nbytes, node, phase))
@@ -269,6 +279,13 @@ STEP_FUNCTIONS = {
     "grad_all_reduce": grad_all_reduce,
     "to_partial": to_partial,
 }
+
+
+def run_steps(x, steps: tuple[tuple[str, dict], ...], node: str):
+    """Apply `steps`, each (kind, keyword arguments of its function in STEP_FUNCTIONS)."""
+    for kind, kwargs in steps:
+        x = STEP_FUNCTIONS[kind](x, node=node, **kwargs)
+    return x
 
 
 @torch.no_grad()

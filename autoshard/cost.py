@@ -58,7 +58,7 @@ from autoshard.mesh import Mesh
 from autoshard.trace import tensor_inputs
 
 if TYPE_CHECKING:
-    from autoshard.plan import Plan
+    from autoshard.plan import NodePlan, Plan
     from autoshard.trace import Traced
 
 
@@ -462,6 +462,7 @@ class NodeCost:
     forward_comm: dict[str, float]  # seconds per mesh axis
     backward_comm: dict[str, float]  # seconds per mesh axis
     saved_bytes: int
+    transient_bytes: int = 0  # gathered operands and unreduced results alive while it runs
 
 
 def _comm(
@@ -477,48 +478,101 @@ def _comm(
     return dict(forward), dict(backward)
 
 
+def _stored_layout(plan: Plan, node: fx.Node):
+    placed = plan.nodes.get(node.name)
+    return placed.strategy.stored if placed is not None else plan.storage[node.target]
+
+
+def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
+    """The largest of what a node holds only while it runs, forward or backward: the
+    gathered copies of its activation inputs (not kept for backward), its result
+    before the output collectives, and in backward their gradients and any input
+    gathered again. Gathered parameters are left out: those a node keeps are saved
+    bytes, the gradients of the others are parameter bytes."""
+    inputs = tensor_inputs(node)
+    strategy = node_plan.strategy
+    keeps = saved(node, in_shapes, out_shape, needs_grad=node_plan.input_needs_grad).inputs
+    gathered = [
+        _numel(in_shapes[i]) * _itemsize(inp) if node_plan.input_steps[i] else 0
+        for i, inp in enumerate(inputs)
+    ]
+    activations = [i for i, inp in enumerate(inputs) if inp.op != "get_attr"]
+    unreduced = _numel(out_shape) * _itemsize(node) if node_plan.output_steps else 0
+    forward = unreduced + sum(
+        gathered[i] for i in activations if i not in keeps or i in strategy.regather
+    )
+    backward = (
+        unreduced * node_plan.needs_grad
+        + sum(gathered[i] for i in activations if node_plan.input_needs_grad[i])
+        + sum(gathered[i] for i in strategy.regather)
+    )
+    return max(forward, backward)
+
+
+def node_cost(
+    node: fx.Node,
+    node_plan: NodePlan,
+    plan: Plan,
+    hardware: Hardware,
+    *,
+    mask_itemsize: int | None = None,
+) -> NodeCost:
+    """A node's costs on one rank at the plan's local shapes: each tensor input at
+    its strategy's input layout (a gathered operand is what the node computes on
+    and saves), the node's own result at the strategy's output layout. A
+    parameter that reaches the node through a step is a new tensor, so it counts
+    as saved when the node keeps it. An input the node keeps as its stored shard
+    (`Strategy.regather`) counts at that size, and backward pays its gathers
+    once more."""
+    mesh = plan.mesh
+    inputs = tensor_inputs(node)
+    strategy = node_plan.strategy
+    in_shapes = [
+        strategy.inputs[i].local_shape(tuple(inp.meta["val"].shape), mesh)
+        for i, inp in enumerate(inputs)
+    ]
+    out_shape = strategy.output.local_shape(node_plan.shape, mesh)
+    forward, backward = node_compute_time(
+        node,
+        in_shapes,
+        out_shape,
+        _first_value(node).dtype,
+        hardware,
+        needs_grad=node_plan.input_needs_grad,
+    )
+    held = [inp.op == "get_attr" and not node_plan.input_steps[i] for i, inp in enumerate(inputs)]
+    kept_shapes = [
+        _stored_layout(plan, inp).local_shape(tuple(inp.meta["val"].shape), mesh)
+        if i in strategy.regather
+        else shape
+        for i, (inp, shape) in enumerate(zip(inputs, in_shapes))
+    ]
+    kept = saved_bytes(
+        node,
+        kept_shapes,
+        out_shape,
+        needs_grad=node_plan.input_needs_grad,
+        mask_itemsize=mask_itemsize,
+        held=held,
+    )
+    comm_forward, comm_backward = _comm(node_plan.steps_with_grad(), hardware, mesh)
+    for step in node_plan.regathered_steps():  # backward gathers the kept shard again
+        seconds = step_time(step, hardware, mesh)[0]
+        comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
+    transient = _transient_bytes(node, node_plan, in_shapes, out_shape)
+    return NodeCost(forward, backward, comm_forward, comm_backward, kept, transient)
+
+
 def node_costs(
     traced: Traced, plan: Plan, hardware: Hardware, *, mask_itemsize: int | None = None
 ) -> dict[str, NodeCost]:
-    """Per node of `plan` (and ``"output"``, for the collectives that return the
-    outputs), its costs on one rank at the plan's local shapes: each tensor
-    input at its strategy's input layout (a gathered operand is what the node
-    computes on and saves), the node's own result at the strategy's output
-    layout. A parameter that reaches the node through a step is a new tensor,
-    so it counts as saved when the node keeps it."""
+    """`node_cost` of every node of `plan`, and under ``"output"`` the collectives
+    that return the outputs."""
     graph_nodes = traced.nodes
-    mesh = plan.mesh
-    out: dict[str, NodeCost] = {}
-    for name, node_plan in plan.nodes.items():
-        node = graph_nodes[name]
-        inputs = tensor_inputs(node)
-        strategy = node_plan.strategy
-        in_shapes = [
-            strategy.inputs[i].local_shape(tuple(inp.meta["val"].shape), mesh)
-            for i, inp in enumerate(inputs)
-        ]
-        out_shape = strategy.output.local_shape(node_plan.shape, mesh)
-        forward, backward = node_compute_time(
-            node,
-            in_shapes,
-            out_shape,
-            _first_value(node).dtype,
-            hardware,
-            needs_grad=node_plan.input_needs_grad,
-        )
-        held = [
-            inp.op == "get_attr" and not node_plan.input_steps[i] for i, inp in enumerate(inputs)
-        ]
-        kept = saved_bytes(
-            node,
-            in_shapes,
-            out_shape,
-            needs_grad=node_plan.input_needs_grad,
-            mask_itemsize=mask_itemsize,
-            held=held,
-        )
-        comm_forward, comm_backward = _comm(node_plan.steps_with_grad(), hardware, mesh)
-        out[name] = NodeCost(forward, backward, comm_forward, comm_backward, kept)
+    out = {
+        name: node_cost(graph_nodes[name], placed, plan, hardware, mask_itemsize=mask_itemsize)
+        for name, placed in plan.nodes.items()
+    }
     returned = [(step, True) for steps in plan.output_steps for step in steps]
-    out["output"] = NodeCost(0.0, 0.0, *_comm(returned, hardware, mesh), 0)
+    out["output"] = NodeCost(0.0, 0.0, *_comm(returned, hardware, plan.mesh), 0)
     return out

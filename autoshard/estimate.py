@@ -5,10 +5,20 @@
 
 Time is the sum over nodes of forward and backward compute and collectives,
 plus, for nodes in a recomputed region, their forward compute and
-collectives once more. Memory is what the step's peak holds: parameters
-with their gradients and optimizer state, every activation saved for
-backward (a recomputed region keeps only its inputs), and, on top, the
-largest region's activations while it is replayed.
+collectives once more.
+
+Memory follows the step unit by unit (`autoshard.units`): parameters with
+their gradients and optimizer state live throughout; each unit keeps what
+it saves for backward (a recomputed unit only its inputs) from its forward
+until its own backward, so while unit u runs — forward, or backward after
+every later unit has freed its activations — the rank holds
+
+    parameters + Σ kept[v < u] + high[u]
+
+where high[u] is u's own saved activations (for a recomputed unit, its
+inputs plus everything its replay saves again) plus the largest transient
+buffer of one of its nodes (gathered operands, unreduced results, their
+gradients). The peak is the largest of these.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from autoshard.cost import Cost, NodeCost, node_costs, parameter_bytes
 from autoshard.hardware import Hardware
 from autoshard.plan import Plan
 from autoshard.trace import Traced, tensor_inputs
+from autoshard.units import units_of
 
 
 @dataclass(frozen=True)
@@ -33,20 +44,11 @@ class Totals:
     saved: int
     params: int
     entry: int  # bytes of the activations that enter the set from outside
+    transient: int  # the largest transient buffer of one node
 
     @property
     def time(self) -> float:
         return self.compute + sum(self.comm.values())
-
-
-def unit_of(path: str) -> str:
-    """The repeated block a module path belongs to ('blocks.3' for 'blocks.3.attn.q'),
-    or '' outside any: the unit a plan's decisions and checkpoint regions are made for."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
 
 
 def totals(
@@ -64,7 +66,7 @@ def totals(
     graph = traced.nodes
     compute = forward = 0.0
     comm: dict[str, float] = defaultdict(float)
-    saved = params = entry = 0
+    saved = params = entry = transient = 0
     entering: dict = {}
     for name in names:
         cost = costs[name]
@@ -73,6 +75,7 @@ def totals(
         for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
             comm[axis] += seconds
         saved += cost.saved_bytes
+        transient = max(transient, cost.transient_bytes)
         for inp in tensor_inputs(graph[name]):
             if inp.op != "get_attr" and inp.name not in members:
                 entering[inp] = None
@@ -86,7 +89,7 @@ def totals(
         if layout is not None and hasattr(inp.meta.get("val"), "shape"):
             local = layout.local_shape(tuple(inp.meta["val"].shape), plan.mesh)
             entry += math.prod(local) * inp.meta["val"].element_size()
-    return Totals(compute, forward, dict(comm), saved, params, entry)
+    return Totals(compute, forward, dict(comm), saved, params, entry, transient)
 
 
 def _stored(plan: Plan, node):
@@ -105,27 +108,34 @@ def first_users(traced: Traced, plan: Plan) -> dict[str, str]:
     return first
 
 
+def own_memory(total: Totals, recomputed: bool) -> tuple[int, int]:
+    """What a unit keeps from its forward to its backward, and what it holds of its
+    own while it runs, its transient buffers aside (see the module docstring)."""
+    if recomputed:
+        return total.entry, total.entry + total.saved
+    return total.saved, total.saved
+
+
 def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 2.0) -> Cost:
     """The plan's cost (see the module docstring)."""
     costs = node_costs(traced, plan, hardware)
-    regions: dict[str, list[str]] = defaultdict(list)
-    for name, region in plan.regions.items():
-        regions[region].append(name)
-    kept = [n for n in plan.nodes if n not in plan.regions]
     users = first_users(traced, plan)
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, unit in units_of(traced, plan).items():
+        members[unit].append(name)
     whole = totals(traced, plan, costs, list(plan.nodes), optimizer, users)
-    outside = totals(traced, plan, costs, kept, optimizer, users)
-    replayed = [totals(traced, plan, costs, names, optimizer, users) for names in regions.values()]
     comm = dict(whole.comm)
     for axis, seconds in costs["output"].forward_comm.items():
         comm[axis] = comm.get(axis, 0.0) + seconds
-    recompute = sum((r.forward for r in replayed), 0.0)
-    peak = (
-        whole.params
-        + outside.saved
-        + sum(r.entry for r in replayed)
-        + max((r.saved for r in replayed), default=0)
-    )
+    recompute = 0.0
+    held = peak = 0
+    for names in members.values():
+        total = totals(traced, plan, costs, names, optimizer, users)
+        recomputed = any(name in plan.regions for name in names)
+        recompute += total.forward if recomputed else 0.0
+        kept, own = own_memory(total, recomputed)
+        peak = max(peak, whole.params + held + own + total.transient)
+        held += kept
     return Cost(
         step_time=whole.compute + recompute + sum(comm.values()),
         peak_memory=int(peak),

@@ -8,6 +8,7 @@ differentiable like any other.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -56,6 +57,41 @@ def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
     (local mean × local count / global count), to be all-reduced."""
     out = torch.mean(x, **kwargs) if dim is None else torch.mean(x, dim, keepdim, **kwargs)
     return out * scale
+
+
+def keep_shard(op: str, *args, index: int, steps: tuple, node: str):
+    """`op(*args)` (an ATen op, by name) on `args[index]` gathered by `steps` (see
+    `comm.run_steps`), where autograd keeps the stored shard instead of the gathered
+    operand and backward gathers it again (its collectives log as "backward"): a layer
+    that saves 1/d³ of its input instead of 1/d², for one more all-gather."""
+    shard = args[index]
+    gathered = comm.run_steps(shard, steps, node)
+    mesh = comm.current_mesh()
+    storage = gathered.untyped_storage().data_ptr()
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() == storage:  # the operand, or a view of it
+            return _Shard(shard.detach(), t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(packed):
+        if not isinstance(packed, _Shard):
+            return packed
+        with torch.no_grad(), comm.bound(mesh), comm.in_phase("backward"):
+            full = comm.run_steps(packed.shard, steps, node)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    namespace, name, overload = op.split(".")
+    aten_op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return aten_op(*args[:index], gathered, *args[index + 1 :])
+
+
+class _Shard(NamedTuple):
+    shard: torch.Tensor
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
 
 
 def _chunk_start(size: int, axes: tuple[str, ...]) -> tuple[int, int]:

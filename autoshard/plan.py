@@ -39,6 +39,15 @@ class NodePlan:
         own = list(self.strategy.internal) + list(self.output_steps)
         return out + [(step, self.needs_grad) for step in own]
 
+    def regathered_steps(self) -> list[Step]:
+        """The collectives backward runs again to rebuild inputs saved as shards."""
+        return [
+            step
+            for i in self.strategy.regather
+            for step in self.input_steps[i]
+            if step.forward_collective != "none"
+        ]
+
 
 @dataclass
 class Plan:
@@ -79,6 +88,9 @@ class Plan:
                         out[name, step.forward_collective, step.axis, "recompute"] += step.nbytes
                 if step.backward_collective != "none" and grad:
                     out[name, step.backward_collective, step.axis, "backward"] += step.nbytes
+        for node in self.nodes.values():
+            for step in node.regathered_steps():
+                out[node.name, step.forward_collective, step.axis, "backward"] += step.nbytes
         return dict(out)
 
 
@@ -112,6 +124,8 @@ def _strategy_dict(s: Strategy) -> dict:
         "internal": [asdict(x) for x in s.internal],
         "outputs": [_layout_dict(x) for x in s.outputs],
         "detail": s.detail,
+        "split_weight": s.split_weight,
+        "regather": s.regather,
     }
 
 
@@ -128,6 +142,8 @@ def _strategy(d: dict) -> Strategy:
         internal=tuple(_step(x) for x in d["internal"]),
         outputs=tuple(_layout(x) for x in d["outputs"]),
         detail=d["detail"],
+        split_weight=d["split_weight"],
+        regather=tuple(d["regather"]),
     )
 
 

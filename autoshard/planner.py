@@ -14,10 +14,12 @@ every rank and are split on entry the way the first 3D linear reads them.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import operator
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -69,6 +71,21 @@ def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
     return Layout(tuple(tuple(d) for d in dims)).normalized(mesh)
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """A layer's own choices, apart from its layouts (DESIGN.md's knobs): store the
+    weight split over the M axes too (True) or kept whole over them (False), None for
+    the family's default; and save the input as the stored shard, gathered again in
+    backward, instead of the gathered operand."""
+
+    split_weight: bool | None = None
+    regather: bool = False
+
+
+def default_split(family: str) -> bool:
+    return not family.endswith("allreduce")
+
+
 def _itemsize(node: fx.Node) -> int:
     return node.meta["val"].element_size()
 
@@ -89,10 +106,12 @@ def plan_graph(
     *,
     families: dict[str, str] | None = None,
     reference: dict[str, dict[str, Layout]] | None = None,
+    knobs: dict[str, Knobs] | None = None,
 ) -> Plan:
     """Plan every node. `families` (node name → family) overrides `strategy`'s
-    patterns. With `reference` (family → node name → stored layout, from planning
-    the whole model in each family), a value that crosses into a node of another
+    patterns; `knobs` (node name → Knobs) sets a layer's knobs. With `reference`
+    (family → node name → stored layout, from planning the whole model in each
+    family), a value that crosses into a node of another
     family is first converted to the layout it has in that family's own plan, so
     each part of the model is planned exactly as its family plans it alone."""
     check_strategy(strategy)
@@ -147,7 +166,8 @@ def plan_graph(
                 warnings.warn(message, stacklevel=3)
                 notes.append(message)
                 candidates = replicated_fallback(ctx)
-            nodes[node.name] = _place(node, ctx, candidates, stored, needs_grad, storage, mesh)
+            own = (knobs or {}).get(node.name, Knobs())
+            nodes[node.name] = _place(node, ctx, candidates, stored, needs_grad, storage, mesh, own)
             if bridges:
                 placed = nodes[node.name]
                 placed.input_steps = tuple(
@@ -174,7 +194,7 @@ def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]
     return steps
 
 
-def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan:
+def _place(node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knobs) -> NodePlan:
     multi = not is_tensor(node)
 
     def cost(strategy) -> tuple[float, int]:
@@ -187,7 +207,8 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan
         kept = math.prod(strategy.stored.local_shape(_shape(node), mesh))
         return sent + steps_ring_bytes(out), kept
 
-    strategy = min(candidates, key=cost)
+    defaults = [c for c in candidates if c.split_weight in (None, default_split(c.family))]
+    strategy = _turn_knobs(min(defaults or candidates, key=cost), candidates, knobs)
     for i, inp in enumerate(ctx.inputs):
         problem = strategy.inputs[i].indivisible(_shape(inp), mesh)
         if problem:
@@ -210,7 +231,7 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan
         stored[node] = strategy.stored
         shape = _shape(node)
         out_steps = redistribute(strategy.output, strategy.stored, shape, _itemsize(node), mesh)
-    return NodePlan(
+    placed = NodePlan(
         name=node.name,
         op=str(node.target),
         module=module_path(node),
@@ -222,6 +243,37 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh) -> NodePlan
         input_needs_grad=tuple(needs_grad[n] for n in ctx.inputs),
         needs_grad=needs_grad[node],
     )
+    return regathered(node, placed) if knobs.regather else placed
+
+
+def regathered(node: fx.Node, placed: NodePlan) -> NodePlan:
+    """`placed` with the saved-input knob on: each activation input that arrives
+    through an all-gather, and that the node keeps for backward (a layer keeps it
+    for its weight's gradient), is kept as its stored shard instead."""
+    inputs = tensor_inputs(node)
+    weights = [g for inp, g in zip(inputs, placed.input_needs_grad) if inp.op == "get_attr"]
+    regather = tuple(
+        i
+        for i, inp in enumerate(inputs)
+        if any(weights)
+        and placed.strategy.split_weight is not None
+        and inp.op != "get_attr"
+        and any(step.forward_collective == "all_gather" for step in placed.input_steps[i])
+    )
+    return dataclasses.replace(
+        placed, strategy=dataclasses.replace(placed.strategy, regather=regather)
+    )
+
+
+def _turn_knobs(strategy, candidates, knobs: Knobs):
+    """The candidate with `strategy`'s layouts and the weight storage `knobs` asks for."""
+    if knobs.split_weight is None or strategy.split_weight in (None, knobs.split_weight):
+        return strategy
+    for c in candidates:
+        same = (c.inputs, c.output, c.stored) == (strategy.inputs, strategy.output, strategy.stored)
+        if same and c.split_weight == knobs.split_weight:
+            return c
+    return strategy
 
 
 _ADVICE = (

@@ -1,26 +1,36 @@
-"""Choose, per block part, a layout family and whether to recompute it: the
-minimum predicted step time whose peak per-rank memory fits the budget.
+"""Choose, per block part, a layout family, whether to recompute it, and each
+layer's knobs: the minimum predicted step time whose peak per-rank memory fits
+the budget.
 
-The graph is cut into units: each repeated block (``blocks.3``,
-``model.layers.7``), cut again wherever one activation carries everything
-forward (a transformer block's attention and its MLP become ``blocks.3#0``
-and ``blocks.3#1``), and the rest of the model before and after the blocks
-(embeddings; final norm, head, loss). Each unit takes one option, a family
-(``"3d"``, ``"3d-allreduce"``, ``"replicated"``) and, for block parts,
-whether it is a checkpoint region. A unit's cost under a family comes from
-planning the whole model in that family once and summing the cost model over
-the unit's nodes (identical blocks cost the same); two neighbouring units in
-different families also pay for converting the activations that cross between
-them. The problem is an integer program solved by HiGHS:
+The graph is cut into units (`autoshard.units`): each repeated block
+(``blocks.3``), cut again wherever one activation carries everything forward
+(a transformer block's attention and MLP become ``blocks.3#0`` and
+``blocks.3#1``), and the rest of the model before and after the blocks. Each
+unit takes one option: a family (``"3d"``, ``"3d-allreduce"``,
+``"replicated"``, …), for block parts whether it is a checkpoint region, and
+per layer of the unit the two knobs of DESIGN.md — store the weight the other
+way (split over M and gathered, or whole over M with its gradient
+all-reduced) and save the input as its stored shard, gathered again in
+backward. A unit's cost under a family comes from planning the whole model in
+that family once (identical blocks are costed once); a knob's cost is the
+difference it makes to its own layer, since no knob changes a layout. Two
+neighbouring units in different families also pay for converting what
+crosses between them. Memory is tracked unit by unit (`autoshard.estimate`):
+parameters P, then each unit keeps kept[u] from its forward to its backward,
+and holds high[u] of its own plus its largest transient buffer T[u] while it
+runs. The integer program HiGHS solves:
 
-    minimize   Σ time[u, o]·x[u, o] + Σ convert[u, f, g]·e[u, f, g]
+    minimize   Σ time·x + Σ time·z + Σ convert[u, f, g]·e[u, f, g]
     subject to Σ_o x[u, o] = 1                       one option per unit
+               z[u, o, k] ≤ x[u, o]                  knob k only with its option
                e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in families f, g
-               R ≥ replay[u, o]·x[u, o]              the largest region replayed
-               Σ memory[u, o]·x[u, o] + R ≤ budget
+               P = Σ params·x + Σ params·z
+               K[u] = K[u−1] + Σ kept·x + Σ kept·z   held from earlier units
+               T[u] ≥ transient of each node of u   under its option and knobs
+               P + K[u−1] + Σ high·x + Σ high·z + T[u] ≤ peak ≤ budget
 
 where y[u, f] sums x over u's options of family f. `brute_force` enumerates
-the same objective, and the tests hold the two equal.
+every option and knob setting, and the tests hold the two equal.
 """
 
 from __future__ import annotations
@@ -33,49 +43,105 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from autoshard.cost import node_costs, step_time
+from autoshard.cost import node_cost, node_costs, step_time
 from autoshard.errors import BudgetError, StrategyError
-from autoshard.estimate import estimate, first_users, totals, unit_of
+from autoshard.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.hardware import Hardware
 from autoshard.layout import redistribute
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
-from autoshard.planner import check_strategy, plan_graph
+from autoshard.planner import Knobs, check_strategy, default_split, plan_graph, regathered
 from autoshard.trace import Traced, tensor_inputs
+from autoshard.units import EPILOGUE, PROLOGUE, units_of
 
 SPACES = {
     "3d": ("3d", "3d-allreduce", "replicated"),
     "all": ("3d", "3d-allreduce", "replicated", "any", "any-allreduce"),
 }
 
+WHOLE_WEIGHT, SPLIT_WEIGHT, REGATHER = (
+    "weight whole over M",
+    "weight split over M",
+    "input as shard",
+)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One layer's knob turned away from its family's default."""
+
+    node: str
+    kind: str  # WHOLE_WEIGHT | SPLIT_WEIGHT | REGATHER
+
 
 @dataclass(frozen=True)
 class Option:
     family: str
     checkpoint: bool
+    knobs: frozenset[Knob] = frozenset()
+
+    @property
+    def base(self) -> Option:
+        return Option(self.family, self.checkpoint)
 
     def __str__(self) -> str:
-        return self.family + (" + recompute" if self.checkpoint else "")
+        kinds = sorted({k.kind for k in self.knobs})
+        counted = [f"{kind} ×{sum(k.kind == kind for k in self.knobs)}" for kind in kinds]
+        return " + ".join([self.family] + ["recompute"] * self.checkpoint + counted)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """What an option, or a knob on top of it, adds: seconds and bytes per rank."""
+
+    time: float
+    params: float  # parameters, gradients, optimizer state
+    kept: float  # held from the unit's forward to its backward
+    high: float  # the unit's own activations while it runs, transients aside
 
 
 @dataclass
 class Problem:
     units: list[str]  # in graph order
-    options: dict[str, list[Option]]  # per unit
-    time: dict[tuple[str, Option], float]
-    memory: dict[tuple[str, Option], float]  # kept through the step
-    replay: dict[tuple[str, Option], float]  # extra while the unit is recomputed
+    options: dict[str, list[Option]]  # per unit, knobs at their defaults
+    effect: dict[tuple[str, Option], Effect]
+    knobs: dict[tuple[str, Option], dict[Knob, Effect]]  # per unit and option
+    transient: dict[tuple[str, Option], dict[str, float]]  # node → bytes, knobs at defaults
+    knob_transient: dict[tuple[str, Option, Knob], float]  # the knob's node, knob on
     convert: dict[tuple[str, str, str], float]  # (unit, family before, family of unit)
     plans: dict[str, Plan] = field(default_factory=dict)  # the whole model in each family
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
 
+    def choices(self, unit: str) -> list[Option]:
+        """Every option of `unit` with every setting of its knobs."""
+        out = []
+        for option in self.options[unit]:
+            knobs = list(self.knobs[unit, option])
+            for n in range(len(knobs) + 1):
+                for chosen in itertools.combinations(knobs, n):
+                    out.append(Option(option.family, option.checkpoint, frozenset(chosen)))
+        return out
+
     def evaluate(self, choice: dict[str, Option]) -> tuple[float, float]:
         """(step time, peak memory) of a choice."""
-        time = sum(self.time[u, choice[u]] for u in self.units)
-        for before, unit in zip(self.units, self.units[1:]):
-            time += self.convert.get((unit, choice[before].family, choice[unit].family), 0.0)
-        memory = sum(self.memory[u, choice[u]] for u in self.units)
-        return time, memory + max(self.replay[u, choice[u]] for u in self.units)
+        time = params = held = 0.0
+        highs = []
+        for before, unit in zip([None] + self.units, self.units):
+            option = choice[unit]
+            base = option.base
+            effects = [self.effect[unit, base]]
+            effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
+            time += sum(e.time for e in effects)
+            if before is not None:
+                time += self.convert.get((unit, choice[before].family, option.family), 0.0)
+            params += sum(e.params for e in effects)
+            transient = dict(self.transient[unit, base])
+            for knob in option.knobs:
+                if (unit, base, knob) in self.knob_transient:
+                    transient[knob.node] = self.knob_transient[unit, base, knob]
+            highs.append(held + sum(e.high for e in effects) + max(transient.values(), default=0))
+            held += sum(e.kept for e in effects)
+        return time, params + max(highs)
 
 
 def build_problem(
@@ -84,111 +150,123 @@ def build_problem(
     plans = {f: plan_graph(traced, mesh, f) for f in families}
     unit = units_of(traced, plans[families[0]])
     units = list(dict.fromkeys(unit.values()))
-    problem = Problem(units, {}, {}, {}, {}, {}, plans, unit)
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, u in unit.items():
+        members[u].append(name)
+    problem = Problem(units, {}, {}, {}, {}, {}, {}, plans, unit)
     cache: dict[tuple, tuple] = {}
     for family, plan in plans.items():
         costs = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
-        members: dict[str, list[str]] = defaultdict(list)
-        for name, u in unit.items():
-            members[u].append(name)
+        layers = [n for n, p in plan.nodes.items() if p.strategy.split_weight is not None]
+        flipped = None
+        if layers:  # every layer with the other weight storage: the weight knob's cost
+            other = Knobs(split_weight=not default_split(family))
+            flipped = plan_graph(traced, mesh, family, knobs=dict.fromkeys(layers, other))
+            flipped_costs = node_costs(traced, flipped, hardware)
+            flipped_users = first_users(traced, flipped)
         for u in units:
             names = members[u]
             key = (family, _signature(plan, names))
             if key not in cache:  # identical blocks cost the same: sum them once
                 total = totals(traced, plan, costs, names, optimizer, users)
                 output = sum(costs["output"].forward_comm.values()) if u == units[-1] else 0.0
-                cache[key] = (total, output)
-            total, output = cache[key]
+                knobs = []
+                for i, name in enumerate(names):
+                    if flipped is None or name not in layers:
+                        continue
+                    one = totals(traced, plan, costs, [name], optimizer, users)
+                    turned = totals(
+                        traced, flipped, flipped_costs, [name], optimizer, flipped_users
+                    )
+                    knobs.append((i, "weight", one, turned, None))
+                    node = traced.nodes[name]
+                    placed = regathered(node, plan.nodes[name])
+                    if placed.strategy.regather:
+                        kept = node_cost(node, placed, plan, hardware)
+                        knobs.append(
+                            (i, REGATHER, one, _node_totals(kept, one), kept.transient_bytes)
+                        )
+                transients = [costs[n].transient_bytes for n in names]
+                cache[key] = (total, output, knobs, transients)
+            total, output, knobs, transients = cache[key]
             block = u not in (PROLOGUE, EPILOGUE)
-            options = [Option(family, False)] + ([Option(family, True)] if block else [])
-            for option in options:
+            for checkpoint in (False, True) if block else (False,):
+                option = Option(family, checkpoint)
                 problem.options.setdefault(u, []).append(option)
-                recompute = total.forward if option.checkpoint else 0.0
-                problem.time[u, option] = total.time + output + recompute
-                kept = total.entry if option.checkpoint else total.saved
-                problem.memory[u, option] = total.params + kept
-                problem.replay[u, option] = total.saved if option.checkpoint else 0.0
+                recompute = total.forward if checkpoint else 0.0
+                kept, high = own_memory(total, checkpoint)
+                problem.effect[u, option] = Effect(
+                    total.time + output + recompute, total.params, kept, high
+                )
+                problem.transient[u, option] = dict(zip(names, transients))
+                problem.knobs[u, option] = {}
+                for i, kind, before, after, transient in knobs:
+                    if kind == REGATHER and checkpoint:
+                        continue  # a replayed region keeps nothing of its own anyway
+                    if kind == "weight":
+                        kind = SPLIT_WEIGHT if not default_split(family) else WHOLE_WEIGHT
+                    knob = Knob(names[i], kind)
+                    effect = _difference(before, after, checkpoint)
+                    if _worth_having(effect, transient, transients[i]):
+                        problem.knobs[u, option][knob] = effect
+                        if transient is not None:
+                            problem.knob_transient[u, option, knob] = transient
     for u in units[1:]:
-        names = {n for n, owner in unit.items() if owner == u}
         for f, g in itertools.permutations(plans, 2):
-            problem.convert[u, f, g] = _boundary(traced, plans[f], plans[g], names, hardware, mesh)
+            problem.convert[u, f, g] = _boundary(
+                traced, plans[f], plans[g], members[u], hardware, mesh
+            )
     return problem
 
 
-PROLOGUE, EPILOGUE = "<prologue>", "<epilogue>"
+def _node_totals(cost, reference: Totals) -> Totals:
+    """`reference` (one node's totals) with that node's costs replaced by `cost`."""
+    comm: dict[str, float] = defaultdict(float)
+    for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
+        comm[axis] += seconds
+    return Totals(
+        compute=cost.forward_compute + cost.backward_compute,
+        forward=cost.forward_compute + sum(cost.forward_comm.values()),
+        comm=dict(comm),
+        saved=cost.saved_bytes,
+        params=reference.params,
+        entry=reference.entry,
+        transient=cost.transient_bytes,
+    )
 
 
-def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
-    """Node name → its unit: a part of a repeated block, or the prologue (before the
-    first block) or epilogue (after) for the rest of the model.
-
-    A block is cut wherever one activation carries everything forward (after a
-    transformer block's attention residual, say): its parts are `blocks.3#0`,
-    `blocks.3#1`, each a unit of its own."""
-    out, seen_block = {}, False
-    blocks: dict[str, list[str]] = defaultdict(list)
-    for node in plan.nodes.values():
-        block = unit_of(node.module)
-        seen_block = seen_block or bool(block)
-        out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
-        if block:
-            blocks[block].append(node.name)
-    graph = traced.nodes
-    for block, names in blocks.items():
-        parts = _parts(graph, names)
-        if len(parts) > 1:
-            for i, part in enumerate(parts):
-                for name in part:
-                    out[name] = f"{block}#{i}"
-    return out
+def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
+    """A knob's effect: one layer costed with it (`after`) and without (`before`)."""
+    saved = after.saved - before.saved
+    time = after.time - before.time
+    if checkpoint:  # replayed: the forward is paid again, and the layer keeps nothing
+        return Effect(time + after.forward - before.forward, after.params - before.params, 0, saved)
+    return Effect(time, after.params - before.params, saved, saved)
 
 
-def _parts(graph: dict, names: list[str]) -> list[list[str]]:
-    """`names` (a block's nodes, in order) cut after every node past which a single
-    activation is live: produced in the block and used later, or entering the block
-    and used by a later node of it. Parameters do not count."""
-    position = {name: i for i, name in enumerate(names)}
-    last_use: dict[str, float] = {}  # value → position of its last use (inf: outside)
-    for name in names:
-        for inp in graph[name].all_input_nodes:
-            if inp.op != "get_attr":
-                last_use[inp.name] = max(last_use.get(inp.name, -1), position[name])
-        if any(user.name not in position for user in graph[name].users):
-            last_use[name] = math.inf
-        else:
-            last_use.setdefault(name, -1)
-            for user in graph[name].users:
-                last_use[name] = max(last_use[name], position[user.name])
-    parts, start = [], 0
-    for j in range(len(names) - 1):
-        live = [
-            v
-            for v, last in last_use.items()
-            if last > j and (v not in position or position[v] <= j)
-        ]
-        if len(live) == 1 and live[0] in position:
-            parts.append(names[start : j + 1])
-            start = j + 1
-    parts.append(names[start:])
-    return parts
+def _worth_having(effect: Effect, transient: float | None, transient_before: float) -> bool:
+    """A knob that costs time and saves no memory is never chosen; leave it out."""
+    memory = (effect.params, effect.kept, effect.high, (transient or 0) - transient_before)
+    saves = any(m < 0 for m in memory[:3]) or (transient is not None and memory[3] < 0)
+    return saves or effect.time < 0
 
 
 def _signature(plan: Plan, names: list[str]) -> tuple:
     return tuple((plan.nodes[n].op, plan.nodes[n].shape, plan.nodes[n].strategy) for n in names)
 
 
-def _boundary(traced, before: Plan, after: Plan, names: set, hardware: Hardware, mesh: Mesh):
+def _boundary(traced, before: Plan, after: Plan, names: list, hardware: Hardware, mesh: Mesh):
     """Seconds to convert what enters the nodes `names` from the layout `before`
     stores it in to the layout `after` does."""
     seconds = 0.0
-    graph = traced.nodes
-    entering = {
+    graph, inside = traced.nodes, set(names)
+    entering = dict.fromkeys(  # ordered: float sums must not depend on hashing
         inp
         for name in names
         for inp in tensor_inputs(graph[name])
-        if inp.name in before.nodes and inp.name not in names and before.nodes[inp.name].shape
-    }
+        if inp.name in before.nodes and inp.name not in inside and before.nodes[inp.name].shape
+    )
     for inp in entering:
         val = inp.meta["val"]
         src, dst = before.nodes[inp.name].strategy.stored, after.nodes[inp.name].strategy.stored
@@ -197,18 +275,11 @@ def _boundary(traced, before: Plan, after: Plan, names: set, hardware: Hardware,
     return seconds
 
 
-def _columns(problem: Problem):
-    xs = [(u, o) for u in problem.units for o in problem.options[u]]
-    families = sorted({o.family for u in problem.units for o in problem.options[u]})
-    edges = [(u, f, g) for (u, f, g), c in problem.convert.items() if c > 0]
-    return xs, families, edges
-
-
 def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
     """The optimal choice, by HiGHS; raises BudgetError naming the smallest budget."""
     choice = _milp(problem, budget, minimize_memory=False)
     if choice is None:
-        smallest = problem.evaluate(_milp(problem, None, minimize_memory=True))[1]
+        smallest = smallest_peak(problem)
         raise BudgetError(
             f"no plan fits a memory budget of {_gib(budget)} per rank; the smallest that "
             f"fits is {_gib(smallest)} ({int(math.ceil(smallest))} bytes): raise "
@@ -217,71 +288,152 @@ def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
     return choice
 
 
+def smallest_peak(problem: Problem) -> float:
+    """The lowest peak memory of any choice (bytes per rank)."""
+    return problem.evaluate(_milp(problem, None, minimize_memory=True))[1]
+
+
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
 
 
+_MIB = 2.0**20  # memory rows in MiB keep the coefficients near 1 for HiGHS
+
+
 def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
-    xs, families, edges = _columns(problem)
-    n_x, n_e = len(xs), len(edges)
-    n = n_x + n_e + 1  # … and R, the replay peak
-    index = {key: i for i, key in enumerate(xs)}
+    columns: dict[tuple, int] = {}
+
+    def column(*key) -> int:
+        return columns.setdefault(key, len(columns))
+
+    for u in problem.units:
+        for option in problem.options[u]:
+            column("x", u, option)
+            for knob in problem.knobs[u, option]:
+                column("z", u, option, knob)
+    n_binary = len(columns)
+    edges = [key for key, c in problem.convert.items() if c > 0]
+    for edge in edges:
+        column("e", *edge)
+    for u in problem.units:
+        column("K", u)
+        column("T", u)
+    params, peak = column("P"), column("peak")
+    n = len(columns)
     cost = np.zeros(n)
-    memory = np.zeros(n)
-    for i, key in enumerate(xs):
-        cost[i] = problem.time[key]
-        memory[i] = problem.memory[key]
-    for j, edge in enumerate(edges):
-        cost[n_x + j] = problem.convert[edge]
-    memory[-1] = 1.0
     rows, lower, upper = [], [], []
 
-    def add(row, lo, hi):
+    def add(entries: dict[int, float], lo: float, hi: float) -> None:
+        row = np.zeros(n)
+        for i, value in entries.items():
+            row[i] += value
         rows.append(row)
         lower.append(lo)
         upper.append(hi)
 
-    for unit in problem.units:
-        row = np.zeros(n)
-        for option in problem.options[unit]:
-            row[index[unit, option]] = 1
-        add(row, 1, 1)
-    for j, (unit, f, g) in enumerate(edges):
+    def choice_terms(u: str, field: str) -> dict[int, float]:
+        """Σ field·x + Σ field·z over u's options and knobs, as {column: coefficient}."""
+        terms: dict[int, float] = defaultdict(float)
+        for option in problem.options[u]:
+            terms[columns["x", u, option]] += getattr(problem.effect[u, option], field)
+            for knob, effect in problem.knobs[u, option].items():
+                terms[columns["z", u, option, knob]] += getattr(effect, field)
+        return terms
+
+    for u in problem.units:
+        cost_terms = choice_terms(u, "time")
+        for i, value in cost_terms.items():
+            cost[i] += value
+        add({columns["x", u, o]: 1 for o in problem.options[u]}, 1, 1)
+        for option in problem.options[u]:
+            for knob in problem.knobs[u, option]:
+                add({columns["z", u, option, knob]: 1, columns["x", u, option]: -1}, -np.inf, 0)
+    for edge in edges:
+        unit, f, g = edge
         before = problem.units[problem.units.index(unit) - 1]
-        row = np.zeros(n)
-        row[n_x + j] = 1
+        cost[columns[("e", *edge)]] = problem.convert[edge]
+        entries = {columns[("e", *edge)]: 1.0}
         for option in problem.options[before]:
-            row[index[before, option]] -= option.family == f
+            if option.family == f:
+                entries[columns["x", before, option]] = -1
         for option in problem.options[unit]:
-            row[index[unit, option]] -= option.family == g
-        add(row, -1, np.inf)
-    for key, i in index.items():
-        if problem.replay[key]:
-            row = np.zeros(n)
-            row[-1], row[i] = 1, -problem.replay[key]
-            add(row, 0, np.inf)
+            if option.family == g:
+                entries[columns["x", unit, option]] = -1
+        add(entries, -1, np.inf)
+    # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
+    total_params: dict[int, float] = {params: -1.0}
+    for u in problem.units:
+        total_params.update({i: v / _MIB for i, v in choice_terms(u, "params").items()})
+    add(total_params, 0, 0)
+    previous = None
+    for u in problem.units:
+        entries = {i: v / _MIB for i, v in choice_terms(u, "kept").items()}
+        entries[columns["K", u]] = -1.0
+        if previous is not None:
+            entries[columns["K", previous]] = 1.0
+        add(entries, 0, 0)
+        for terms in _transient_terms(problem, u, columns).values():
+            entries = {i: -v / _MIB for i, v in terms.items()}
+            entries[columns["T", u]] = 1.0
+            add(entries, 0, np.inf)
+        entries = {params: 1.0, columns["T", u]: 1.0, peak: -1.0}
+        entries.update({i: v / _MIB for i, v in choice_terms(u, "high").items()})
+        if previous is not None:
+            entries[columns["K", previous]] = 1.0
+        add(entries, -np.inf, 0)
+        previous = u
+    integrality = np.zeros(n)
+    integrality[:n_binary] = 1
+    upper_bounds = np.full(n, np.inf)
+    upper_bounds[: n_binary + len(edges)] = 1
+    lower_bounds = np.zeros(n)
+    lower_bounds[[columns["K", u] for u in problem.units] + [params]] = -np.inf  # knobs subtract
     if budget is not None:
-        add(memory, -np.inf, budget)
-    integrality = np.array([1] * n_x + [0] * (n_e + 1))
-    upper_bounds = np.array([1] * (n_x + n_e) + [np.inf])
-    scale = max(float(np.abs(cost).max()), 1e-30)
-    objective = memory / max(float(memory.max()), 1.0) if minimize_memory else cost / scale
+        upper_bounds[peak] = budget / _MIB
+    if minimize_memory:
+        objective = np.zeros(n)
+        objective[peak] = 1.0
+    else:
+        objective = cost / max(float(np.abs(cost).max()), 1e-30)
     result = milp(
         objective,
         constraints=LinearConstraint(np.array(rows), lower, upper),
         integrality=integrality,
-        bounds=Bounds(np.zeros(n), upper_bounds),
+        bounds=Bounds(lower_bounds, upper_bounds),
         options={"presolve": True},
     )
     if result.x is None:
         return None
-    return {u: o for (u, o), v in zip(xs, result.x[:n_x]) if v > 0.5}
+    chosen = {}
+    for u in problem.units:
+        option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
+        knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
+        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs))
+    return chosen
+
+
+def _transient_terms(problem: Problem, u: str, columns) -> dict[str, dict[int, float]]:
+    """Per node of `u` that a knob changes (and one more for all the others): its
+    transient bytes as {column: coefficient} over u's options and knobs."""
+    knobbed = sorted({knob.node for (unit, _, knob) in problem.knob_transient if unit == u})
+    out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for option in problem.options[u]:
+        transient = problem.transient[u, option]
+        rest = max((b for n, b in transient.items() if n not in knobbed), default=0)
+        out[""][columns["x", u, option]] += rest
+        for node in knobbed:
+            out[node][columns["x", u, option]] += transient.get(node, 0)
+        for knob in problem.knobs[u, option]:
+            after = problem.knob_transient.get((u, option, knob))
+            if after is not None:
+                out[knob.node][columns["z", u, option, knob]] += after - transient[knob.node]
+    return out
 
 
 def brute_force(problem: Problem, budget: float | None) -> dict[str, Option] | None:
     """The optimal choice by enumeration (for tests on small problems)."""
     best, best_time = None, math.inf
-    for combo in itertools.product(*(problem.options[u] for u in problem.units)):
+    for combo in itertools.product(*(problem.choices(u) for u in problem.units)):
         choice = dict(zip(problem.units, combo))
         time, peak = problem.evaluate(choice)
         if (budget is None or peak <= budget) and time < best_time:
@@ -344,8 +496,16 @@ def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware
         f: {name: node.strategy.stored for name, node in plan.nodes.items() if node.shape}
         for f, plan in problem.plans.items()
     }
+    knobs: dict[str, Knobs] = {}
+    for option in choice.values():
+        for knob in option.knobs:
+            turned = knobs.get(knob.node, Knobs())
+            if knob.kind == REGATHER:
+                knobs[knob.node] = Knobs(turned.split_weight, True)
+            else:
+                knobs[knob.node] = Knobs(knob.kind == SPLIT_WEIGHT, turned.regather)
     first = choice[problem.units[0]].family  # inputs are split on entry as it reads them
-    plan = plan_graph(traced, mesh, first, families=families, reference=reference)
+    plan = plan_graph(traced, mesh, first, families=families, reference=reference, knobs=knobs)
     plan.regions = {
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }

@@ -20,6 +20,7 @@ from torch import fx
 from torch.ops import aten
 from torch.utils import _pytree as pytree
 
+from autoshard import ops
 from autoshard.comm import STEP_FUNCTIONS
 from autoshard.layout import Step
 from autoshard.plan import Plan
@@ -32,13 +33,18 @@ _WITHOUT_BIAS = {
 }
 
 
+def _step_kwargs(step: Step) -> dict:
+    kwargs = {"axis": step.axis}
+    if step.dim is not None:
+        kwargs["dim"] = step.dim
+    kwargs["backward"] = step.backward
+    return kwargs
+
+
 def _apply_steps(graph: fx.Graph, value: fx.Node, steps: tuple[Step, ...], node: str) -> fx.Node:
     val = value.meta.get("val")
     for step in steps:
-        kwargs = {"axis": step.axis}
-        if step.dim is not None:
-            kwargs["dim"] = step.dim
-        kwargs.update(backward=step.backward, node=node)
+        kwargs = dict(_step_kwargs(step), node=node)
         value = graph.call_function(STEP_FUNCTIONS[step.kind], (value,), kwargs)
         value.meta["val"] = val  # the global value, so later passes still see a tensor here
         value.meta["autoshard_serves"] = node
@@ -82,15 +88,21 @@ class InsertCollectives:
     def _rewrite(self, graph: fx.Graph, node: fx.Node) -> None:
         placed = self.plan.nodes[node.name]
         inputs = tensor_inputs(node)
+        regather = placed.strategy.regather
         with graph.inserting_before(node):
             converted = [
-                _apply_steps(graph, v, steps, node.name)
-                for v, steps in zip(inputs, placed.input_steps)
+                v if i in regather else _apply_steps(graph, v, steps, node.name)
+                for i, (v, steps) in enumerate(zip(inputs, placed.input_steps))
             ]
         _replace_tensor_args(node, converted)
         epilogue = [converted[i] for i in placed.strategy.epilogue]
         if epilogue:
             node.target, node.args = _WITHOUT_BIAS[node.target](*node.args)
+        for i in regather:  # the op gathers this input itself, and keeps only the shard
+            steps = tuple((s.kind, _step_kwargs(s)) for s in placed.input_steps[i])
+            index = node.args.index(converted[i])
+            node.kwargs = dict(node.kwargs, index=index, steps=steps, node=node.name)
+            node.target, node.args = ops.keep_shard, (str(node.target), *node.args)
         if not placed.output_steps and not epilogue:
             return
         with graph.inserting_before(node.next):

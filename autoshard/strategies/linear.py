@@ -11,6 +11,10 @@ The local product is a pending sum over K.
 - ``"3d-allreduce"``: X is stored tokens over M, features over K,
   replicated over N; the output is all-reduced over K. W is stored split
   over K and N; its gradient is all-reduced over M.
+
+Either family may store its weights the other way (the weight knob,
+`Strategy.split_weight`): a candidate exists for each, the family's own
+first; the planner takes the one the solver asks for.
 - ``"replicated"``: every rank computes the whole layer.
 
 Which axis takes which role is left to the planner: each permutation is a
@@ -64,7 +68,7 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
     feat = x_nd - 1
     n_inputs = len(shapes)
 
-    def assemble(family, x_in, w_in, w_store, out, stored, bias_in, detail):
+    def assemble(family, x_in, w_in, w_store, out, stored, bias_in, detail, split_weight=None):
         inputs = [None] * n_inputs
         storage = [None] * n_inputs
         inputs[x], inputs[w] = x_in, w_in
@@ -80,6 +84,7 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
             storage=tuple(s.normalized(mesh) if s else None for s in storage),
             epilogue=(bias,) if bias is not None else (),
             detail=detail,
+            split_weight=split_weight,
         )
 
     if family == "replicated":
@@ -95,29 +100,35 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
         # first, so that the next layer gathers where this one scattered.
         token_dims = list(range(feat))
         n_dim = incoming.dim_of(n[0]) if n else None
-        scatter_dims = sorted(token_dims, key=lambda d: d != n_dim)
-        for dm in token_dims:
+        scatter_dims = [None] if allreduce else sorted(token_dims, key=lambda d: d != n_dim)
+        w_in = _layout(2, [(w_out_dim, n), (w_in_dim, k)])
+        # The weight knob: split over M too (1/N, gathered before use) or kept whole
+        # over M (gradient all-reduced). The family's own default comes first.
+        split = next(
+            (
+                w_store
+                for w_store in (
+                    _layout(2, [(w_out_dim, n + m), (w_in_dim, k)]),
+                    _layout(2, [(w_out_dim, n), (w_in_dim, k + m)]),
+                )
+                if not w_store.normalized(mesh).indivisible(shapes[w], mesh)
+            ),
+            None,
+        )
+        storages = [(w_in, False)] + ([(split, True)] if split else [])
+        if not allreduce:
+            storages.reverse()
+        roles = " ".join(f"{r}={','.join(axes) or '-'}" for r, axes in zip("MKN", (m, k, n)))
+        for dm, dk, (w_store, split_weight) in product(token_dims, scatter_dims, storages):
             x_in = _layout(x_nd, [(dm, m), (feat, k)])
-            w_in = _layout(2, [(w_out_dim, n), (w_in_dim, k)])
             out = _layout(out_nd, [(dm, m), (out_nd - 1, n)], partial=k)
             bias_in = _layout(1, [(0, n)])
-            roles = " ".join(f"{r}={','.join(axes) or '-'}" for r, axes in zip("MKN", (m, k, n)))
-            if allreduce:
-                stored = _layout(out_nd, [(dm, m), (out_nd - 1, n)])
-                candidates.append(assemble(family, x_in, w_in, w_in, out, stored, bias_in, roles))
-                continue
-            for w_store in (
-                _layout(2, [(w_out_dim, n + m), (w_in_dim, k)]),
-                _layout(2, [(w_out_dim, n), (w_in_dim, k + m)]),
-                w_in,
-            ):
-                if not w_store.normalized(mesh).indivisible(shapes[w], mesh):
-                    break
-            for dk in scatter_dims:
-                stored = _layout(out_nd, [(dm, m), (dk, k), (out_nd - 1, n)])
-                candidates.append(
-                    assemble(family, x_in, w_in, w_store, out, stored, bias_in, roles)
-                )
+            stored = _layout(
+                out_nd, [(dm, m), (out_nd - 1, n)] + ([(dk, k)] if dk is not None else [])
+            )
+            candidates.append(
+                assemble(family, x_in, w_in, w_store, out, stored, bias_in, roles, split_weight)
+            )
     return tuple(_valid(shapes, out_shape, mesh, candidates))
 
 

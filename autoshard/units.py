@@ -1,0 +1,85 @@
+"""Where the solver cuts a model into units: the parts of each repeated block, and
+the rest of the model before the first block and after the last.
+
+A unit takes one decision (its layout family, whether it is recomputed), and
+memory is tracked unit by unit: what each keeps until its backward runs.
+
+    >>> units_of(traced, plan)["linear_4"]
+    'blocks.1#1'
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from autoshard.plan import Plan
+from autoshard.trace import Traced
+
+
+def unit_of(path: str) -> str:
+    """The repeated block a module path belongs to ('blocks.3' for 'blocks.3.attn.q'),
+    or '' outside any: the unit a plan's decisions and checkpoint regions are made for."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+PROLOGUE, EPILOGUE = "<prologue>", "<epilogue>"
+
+
+def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
+    """Node name → its unit: a part of a repeated block, or the prologue (before the
+    first block) or epilogue (after) for the rest of the model.
+
+    A block is cut wherever one activation carries everything forward (after a
+    transformer block's attention residual, say): its parts are `blocks.3#0`,
+    `blocks.3#1`, each a unit of its own."""
+    out, seen_block = {}, False
+    blocks: dict[str, list[str]] = defaultdict(list)
+    for node in plan.nodes.values():
+        block = unit_of(node.module)
+        seen_block = seen_block or bool(block)
+        out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
+        if block:
+            blocks[block].append(node.name)
+    graph = traced.nodes
+    for block, names in blocks.items():
+        parts = _parts(graph, names)
+        if len(parts) > 1:
+            for i, part in enumerate(parts):
+                for name in part:
+                    out[name] = f"{block}#{i}"
+    return out
+
+
+def _parts(graph: dict, names: list[str]) -> list[list[str]]:
+    """`names` (a block's nodes, in order) cut after every node past which a single
+    activation is live: produced in the block and used later, or entering the block
+    and used by a later node of it. Parameters do not count."""
+    position = {name: i for i, name in enumerate(names)}
+    last_use: dict[str, float] = {}  # value → position of its last use (inf: outside)
+    for name in names:
+        for inp in graph[name].all_input_nodes:
+            if inp.op != "get_attr":
+                last_use[inp.name] = max(last_use.get(inp.name, -1), position[name])
+        if any(user.name not in position for user in graph[name].users):
+            last_use[name] = math.inf
+        else:
+            last_use.setdefault(name, -1)
+            for user in graph[name].users:
+                last_use[name] = max(last_use[name], position[user.name])
+    parts, start = [], 0
+    for j in range(len(names) - 1):
+        live = [
+            v
+            for v, last in last_use.items()
+            if last > j and (v not in position or position[v] <= j)
+        ]
+        if len(live) == 1 and live[0] in position:
+            parts.append(names[start : j + 1])
+            start = j + 1
+    parts.append(names[start:])
+    return parts
