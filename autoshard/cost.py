@@ -326,8 +326,11 @@ def saved(
     *,
     needs_grad: Sequence[bool] | None = None,
     mask_itemsize: int | None = None,
+    lowering: str | None = None,
 ) -> Saved:
-    """What autograd keeps for `node`'s backward, op by op (as torch's derivatives.yaml):
+    """What autograd keeps for `node`'s backward, op by op (as torch's derivatives.yaml),
+    or, where the node runs as one of autoshard's lowerings (`lowering`, from its
+    strategy), what that implementation keeps (`_saved_by_lowering`):
 
     - products (linear, addmm, mm, matmul, bmm, baddbmm) and mul: each matrix
       operand, if the other one needs a gradient (a linear keeps its input for
@@ -335,12 +338,12 @@ def saved(
     - div(a, b): b, and a too if b needs a gradient;
     - relu, sigmoid, tanh, exp, sqrt, rsqrt, softmax, log_softmax: the output;
     - gelu, silu, log, abs, pow: the input;
-    - dropout: a mask of the output's size, `mask_itemsize` bytes per element.
-      torch's native dropout keeps a bool mask (1 byte); autoshard's lowering
-      multiplies by a noise tensor of the activation's dtype, the default here;
+    - dropout: a mask of the output's size, `mask_itemsize` bytes per element,
+      nothing when p = 0 or not training. torch's native dropout keeps a bool
+      mask (1 byte); autoshard's lowering multiplies by a noise tensor of the
+      activation's dtype, the default here;
     - layer_norm: the input and an fp32 mean and rstd per row; rms_norm: the
-      input and an fp32 rstd per row (the native kernels; autoshard's lowering of
-      a feature-sharded layer_norm keeps more);
+      input and an fp32 rstd per row (the native kernels);
     - masked_fill: the mask; where: the condition;
     - embedding: the indices (the weight is a parameter);
     - cross_entropy_loss: the log-softmax of the logits and the targets;
@@ -357,6 +360,8 @@ def saved(
     ng = _needs_grad(inputs, needs_grad)
     if not any(ng):
         return Saved()
+    if lowering in _LOWERED:
+        return _LOWERED[lowering](node, local_in_shapes, local_out_shape, ng)
     if op in MATMULS or (op == aten.mul.Tensor and len(inputs) == 2):
         x = MATMULS.get(op, 0)
         return Saved(tuple(i for i, other in ((x, x + 1), (x + 1, x)) if ng[other]))
@@ -367,6 +372,9 @@ def saved(
     if op in _SAVE_INPUT:
         return Saved((0,))
     if op == aten.dropout.default:
+        p, train = (list(node.args[1:]) + [0.5, True])[:2]
+        if p == 0 or not train:
+            return Saved()
         mask = mask_itemsize if mask_itemsize is not None else _itemsize(node)
         return Saved(extra_bytes=_numel(local_out_shape) * mask)
     if op in (aten.layer_norm.default, aten.rms_norm.default):
@@ -388,6 +396,39 @@ def saved(
     return Saved()
 
 
+def _lowered_layer_norm(node, in_shapes, out_shape, ng) -> Saved:
+    """`autoshard.ops.layer_norm` over sharded features keeps the centered input, rstd
+    per row (in the input's dtype), the normalized input (for the weight's gradient)
+    and the weight (for the input's)."""
+    x, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
+    rows = _numel(in_shapes[0][: -len(node.args[1])])
+    weight = (1,) if len(tensor_inputs(node)) > 1 and ng[0] else ()
+    return Saved(weight, extra_bytes=(2 * x + rows) * item)
+
+
+def _lowered_cross_entropy(node, in_shapes, out_shape, ng) -> Saved:
+    """`autoshard.ops.cross_entropy` over sharded logits keeps exp(shifted logits) and the
+    shifted logits (the target's gather keeps its source), and per row the gather
+    index (int64), the sum of exponentials and two bool masks."""
+    logits, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
+    rows = _numel(in_shapes[0][:-1])
+    return Saved(extra_bytes=2 * logits * item + rows * (8 + item + 2))
+
+
+def _lowered_vocab_embedding(node, in_shapes, out_shape, ng) -> Saved:
+    """`autoshard.ops.vocab_embedding` keeps the local indices and the float mask of the
+    ids this rank holds."""
+    ids = _numel(in_shapes[1])
+    return Saved(extra_bytes=ids * (8 + _itemsize(node)))
+
+
+_LOWERED = {
+    "layer_norm": _lowered_layer_norm,
+    "cross_entropy": _lowered_cross_entropy,
+    "vocab_embedding": _lowered_vocab_embedding,
+}
+
+
 def saved_bytes(
     node: fx.Node,
     local_in_shapes: Sequence[Sequence[int]],
@@ -396,23 +437,47 @@ def saved_bytes(
     needs_grad: Sequence[bool] | None = None,
     mask_itemsize: int | None = None,
     held: Sequence[bool] | None = None,
+    lowering: str | None = None,
 ) -> int:
     """Bytes of what `saved` lists, on one rank. Inputs flagged in `held` are
     resident anyway and not counted (default: parameters and buffers, the
     ``get_attr`` inputs, which `parameter_bytes` counts). A tensor that two
     nodes keep counts for each; `saved` says which, to count it once."""
+    return sum(
+        _saved_parts(
+            node,
+            local_in_shapes,
+            local_out_shape,
+            needs_grad=needs_grad,
+            mask_itemsize=mask_itemsize,
+            held=held,
+            lowering=lowering,
+        ).values()
+    )
+
+
+def _saved_parts(
+    node, local_in_shapes, local_out_shape, *, needs_grad, mask_itemsize, held, lowering
+) -> dict[int | str, int]:
+    """`saved_bytes` by part: tensor input index, "output", or "extra" (buffers the
+    op makes)."""
     inputs = tensor_inputs(node)
     held = held if held is not None else [inp.op == "get_attr" for inp in inputs]
     kept = saved(
-        node, local_in_shapes, local_out_shape, needs_grad=needs_grad, mask_itemsize=mask_itemsize
+        node,
+        local_in_shapes,
+        local_out_shape,
+        needs_grad=needs_grad,
+        mask_itemsize=mask_itemsize,
+        lowering=lowering,
     )
-    total = kept.extra_bytes
-    total += sum(
-        _numel(local_in_shapes[i]) * _itemsize(inputs[i]) for i in kept.inputs if not held[i]
-    )
+    parts: dict[int | str, int] = {"extra": kept.extra_bytes}
+    for i in kept.inputs:
+        if not held[i]:
+            parts[i] = _numel(local_in_shapes[i]) * _itemsize(inputs[i])
     if kept.output:
-        total += _numel(local_out_shape) * _itemsize(node)
-    return total
+        parts["output"] = _numel(local_out_shape) * _itemsize(node)
+    return parts
 
 
 # ------------------------------------------------------------------ closed forms
@@ -461,8 +526,9 @@ class NodeCost:
     backward_compute: float  # seconds
     forward_comm: dict[str, float]  # seconds per mesh axis
     backward_comm: dict[str, float]  # seconds per mesh axis
-    saved_bytes: int
+    saved_bytes: int  # kept for backward, apart from `shared`
     transient_bytes: int = 0  # gathered operands and unreduced results alive while it runs
+    shared: dict[str, int] = field(default_factory=dict)  # value → bytes, kept as stored
 
 
 def _comm(
@@ -491,7 +557,13 @@ def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
     bytes, the gradients of the others are parameter bytes."""
     inputs = tensor_inputs(node)
     strategy = node_plan.strategy
-    keeps = saved(node, in_shapes, out_shape, needs_grad=node_plan.input_needs_grad).inputs
+    keeps = saved(
+        node,
+        in_shapes,
+        out_shape,
+        needs_grad=node_plan.input_needs_grad,
+        lowering=strategy.lowering,
+    ).inputs
     gathered = [
         _numel(in_shapes[i]) * _itemsize(inp) if node_plan.input_steps[i] else 0
         for i, inp in enumerate(inputs)
@@ -547,20 +619,33 @@ def node_cost(
         else shape
         for i, (inp, shape) in enumerate(zip(inputs, in_shapes))
     ]
-    kept = saved_bytes(
+    parts = _saved_parts(
         node,
         kept_shapes,
         out_shape,
         needs_grad=node_plan.input_needs_grad,
         mask_itemsize=mask_itemsize,
         held=held,
+        lowering=strategy.lowering,
     )
+    # An input kept as it is stored (a shard kept for a re-gather too), or the output
+    # kept as it is stored, is the very tensor every other node that keeps it keeps:
+    # named, so it counts once.
+    shared = {}
+    for part in list(parts):
+        if part == "output" and not node_plan.output_steps:
+            shared[node.name] = parts.pop(part)
+        elif isinstance(part, int) and inputs[part].op != "get_attr":
+            if not node_plan.input_steps[part] or part in strategy.regather:
+                shared[inputs[part].name] = parts.pop(part)
     comm_forward, comm_backward = _comm(node_plan.steps_with_grad(), hardware, mesh)
     for step in node_plan.regathered_steps():  # backward gathers the kept shard again
         seconds = step_time(step, hardware, mesh)[0]
         comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
     transient = _transient_bytes(node, node_plan, in_shapes, out_shape)
-    return NodeCost(forward, backward, comm_forward, comm_backward, kept, transient)
+    return NodeCost(
+        forward, backward, comm_forward, comm_backward, sum(parts.values()), transient, shared
+    )
 
 
 def node_costs(

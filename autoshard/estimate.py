@@ -68,6 +68,7 @@ def totals(
     comm: dict[str, float] = defaultdict(float)
     saved = params = entry = transient = 0
     entering: dict = {}
+    shared: dict[str, int] = {}  # values kept as they are stored: once, whoever keeps them
     for name in names:
         cost = costs[name]
         compute += cost.forward_compute + cost.backward_compute
@@ -75,10 +76,12 @@ def totals(
         for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
             comm[axis] += seconds
         saved += cost.saved_bytes
+        shared.update(cost.shared)
         transient = max(transient, cost.transient_bytes)
         for inp in tensor_inputs(graph[name]):
             if inp.op != "get_attr" and inp.name not in members:
                 entering[inp] = None
+    saved += sum(shared.values())
     for fqn in (f for f, user in first_users.items() if user in members):
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))

@@ -185,6 +185,32 @@ def plan_graph(
     return Plan(mesh, nodes, storage, entry_steps, output_steps, notes)
 
 
+def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
+    """`plan` with node `name` placed again under `knobs`, every other node as it was
+    (the knobs change no layout): what turning a layer's knobs would cost."""
+    node = traced.nodes[name]
+    inputs = tensor_inputs(node)
+    placed = plan.nodes[name]
+    order = {n: i for i, n in enumerate(traced.nodes)}
+    stored: dict[fx.Node, Layout] = {}
+    for inp in inputs:  # a parameter is stored as its first user wants it
+        earlier = plan.nodes.get(inp.name)
+        if earlier is not None:
+            stored[inp] = earlier.strategy.stored
+        elif inp.op != "get_attr":
+            stored[inp] = plan.storage[inp.name]
+        elif min(order[user.name] for user in inp.users) < order[name]:
+            stored[inp] = plan.storage[inp.target]
+    needs_grad = dict(zip(inputs, placed.input_needs_grad))
+    ctx = Context(node, plan.mesh, inputs, [stored.get(n) for n in inputs], placed.strategy.family)
+    storage: dict[str, Layout] = {}
+    candidates = rule_for(node.target)(ctx)
+    again = _place(node, ctx, candidates, stored, needs_grad, storage, plan.mesh, knobs)
+    return dataclasses.replace(
+        plan, nodes={**plan.nodes, name: again}, storage={**plan.storage, **storage}
+    )
+
+
 def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]:
     steps = []
     for i, inp in enumerate(ctx.inputs):
@@ -243,10 +269,10 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knob
         input_needs_grad=tuple(needs_grad[n] for n in ctx.inputs),
         needs_grad=needs_grad[node],
     )
-    return regathered(node, placed) if knobs.regather else placed
+    return _regathered(node, placed) if knobs.regather else placed
 
 
-def regathered(node: fx.Node, placed: NodePlan) -> NodePlan:
+def _regathered(node: fx.Node, placed: NodePlan) -> NodePlan:
     """`placed` with the saved-input knob on: each activation input that arrives
     through an all-gather, and that the node keeps for backward (a layer keeps it
     for its weight's gradient), is kept as its stored shard instead."""

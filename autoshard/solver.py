@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
 
 from autoshard.cost import node_cost, node_costs, step_time
 from autoshard.errors import BudgetError, StrategyError
@@ -50,7 +51,7 @@ from autoshard.hardware import Hardware
 from autoshard.layout import redistribute
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
-from autoshard.planner import Knobs, check_strategy, default_split, plan_graph, regathered
+from autoshard.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.trace import Traced, tensor_inputs
 from autoshard.units import EPILOGUE, PROLOGUE, units_of
 
@@ -158,13 +159,7 @@ def build_problem(
     for family, plan in plans.items():
         costs = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
-        layers = [n for n, p in plan.nodes.items() if p.strategy.split_weight is not None]
-        flipped = None
-        if layers:  # every layer with the other weight storage: the weight knob's cost
-            other = Knobs(split_weight=not default_split(family))
-            flipped = plan_graph(traced, mesh, family, knobs=dict.fromkeys(layers, other))
-            flipped_costs = node_costs(traced, flipped, hardware)
-            flipped_users = first_users(traced, flipped)
+        layers = {n for n, p in plan.nodes.items() if p.strategy.split_weight is not None}
         for u in units:
             names = members[u]
             key = (family, _signature(plan, names))
@@ -172,21 +167,17 @@ def build_problem(
                 total = totals(traced, plan, costs, names, optimizer, users)
                 output = sum(costs["output"].forward_comm.values()) if u == units[-1] else 0.0
                 knobs = []
-                for i, name in enumerate(names):
-                    if flipped is None or name not in layers:
-                        continue
+                for name in (n for n in names if n in layers):
                     one = totals(traced, plan, costs, [name], optimizer, users)
-                    turned = totals(
-                        traced, flipped, flipped_costs, [name], optimizer, flipped_users
-                    )
-                    knobs.append((i, "weight", one, turned, None))
-                    node = traced.nodes[name]
-                    placed = regathered(node, plan.nodes[name])
-                    if placed.strategy.regather:
-                        kept = node_cost(node, placed, plan, hardware)
-                        knobs.append(
-                            (i, REGATHER, one, _node_totals(kept, one), kept.transient_bytes)
-                        )
+                    other = Knobs(split_weight=not default_split(family))
+                    for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
+                        alt = replanned(traced, plan, name, turned)
+                        if alt.nodes[name] == plan.nodes[name]:
+                            continue  # nothing to turn: no other storage, no gathered input
+                        cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
+                        after = totals(traced, alt, {name: cost}, [name], optimizer, users)
+                        transient = cost.transient_bytes if kind == REGATHER else None
+                        knobs.append((names.index(name), kind, one, after, transient))
                 transients = [costs[n].transient_bytes for n in names]
                 cache[key] = (total, output, knobs, transients)
             total, output, knobs, transients = cache[key]
@@ -218,22 +209,6 @@ def build_problem(
                 traced, plans[f], plans[g], members[u], hardware, mesh
             )
     return problem
-
-
-def _node_totals(cost, reference: Totals) -> Totals:
-    """`reference` (one node's totals) with that node's costs replaced by `cost`."""
-    comm: dict[str, float] = defaultdict(float)
-    for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
-        comm[axis] += seconds
-    return Totals(
-        compute=cost.forward_compute + cost.backward_compute,
-        forward=cost.forward_compute + sum(cost.forward_comm.values()),
-        comm=dict(comm),
-        saved=cost.saved_bytes,
-        params=reference.params,
-        entry=reference.entry,
-        transient=cost.transient_bytes,
-    )
 
 
 def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
@@ -321,13 +296,13 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     params, peak = column("P"), column("peak")
     n = len(columns)
     cost = np.zeros(n)
-    rows, lower, upper = [], [], []
+    rows, cols, values, lower, upper = [], [], [], [], []
 
     def add(entries: dict[int, float], lo: float, hi: float) -> None:
-        row = np.zeros(n)
         for i, value in entries.items():
-            row[i] += value
-        rows.append(row)
+            rows.append(len(lower))
+            cols.append(i)
+            values.append(value)
         lower.append(lo)
         upper.append(hi)
 
@@ -397,7 +372,9 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         objective = cost / max(float(np.abs(cost).max()), 1e-30)
     result = milp(
         objective,
-        constraints=LinearConstraint(np.array(rows), lower, upper),
+        constraints=LinearConstraint(
+            coo_array((values, (rows, cols)), shape=(len(lower), n)).tocsr(), lower, upper
+        ),
         integrality=integrality,
         bounds=Bounds(lower_bounds, upper_bounds),
         options={"presolve": True},

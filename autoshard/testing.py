@@ -13,6 +13,10 @@ seed), runs the serial copy and the parallel program side by side for
 (gathered with `full_grads`) and the parameters after the steps. The loss
 is a fixed random weighting of the outputs, so every output element
 matters. Dropout draws the same masks in both (same seed before each step).
+
+`measure_memory` measures what one process's training step holds in
+activations (saved for backward, and the peak), to compare with the plan's
+prediction.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.api import parallelize
 from autoshard.ranks import shared_pool
@@ -177,3 +185,150 @@ def assert_equivalent(
             f"planned with {planning}: {len(failed)} comparisons fail; worst: {worst}"
         )
     return report
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Activation bytes one process held during one training step (`measure_memory`)."""
+
+    saved_bytes: int  # kept by autograd for backward at the end of forward
+    peak_bytes: int  # most activation bytes alive at once, forward and backward
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of the storage under `t`; (0, 0) if it has none."""
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return 0, 0
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A leaf that requires grad. A view made under no_grad of a tensor that requires
+    grad (what a custom autograd Function's forward computes on) looks like a leaf
+    that requires grad too, but has a base."""
+    return t.is_leaf and t.requires_grad and t._base is None
+
+
+class _Allocations(TorchDispatchMode):
+    """Every storage an op allocates, on a timeline of (allocation, ±bytes) events.
+
+    An output allocates when its storage is none of the op's inputs' (a view or
+    an in-place result is its input's); a `weakref.finalize` on the storage logs
+    its release. Parameters met as op inputs are remembered, with their storages."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.parameters: list[weakref.ref] = []
+        self.excluded = excluded  # storages of parameters and of `exclude`
+        self.live: dict[int, tuple[int, int]] = {}  # data pointer → (allocation, bytes)
+        self.events: list[tuple[int, int]] = []
+        self._finalizers: list[weakref.finalize] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = set()
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                ptr, _ = _storage(t)
+                inputs.add(ptr)
+                if _is_parameter(t) and ptr not in self.excluded:
+                    self.excluded.add(ptr)
+                    self.parameters.append(weakref.ref(t))
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ptr, nbytes = _storage(t)
+                if nbytes and ptr not in inputs and ptr not in self.live:
+                    self._allocated(t.untyped_storage(), ptr, nbytes)
+        return out
+
+    def _allocated(self, storage, ptr: int, nbytes: int) -> None:
+        serial = len(self._finalizers)
+        self.live[ptr] = (serial, nbytes)
+        self.events.append((serial, nbytes))
+        self._finalizers.append(weakref.finalize(storage, self._freed, ptr, serial))
+
+    def _freed(self, ptr: int, serial: int) -> None:
+        if ptr in self.live and self.live[ptr][0] == serial:
+            self.events.append((serial, -self.live.pop(ptr)[1]))
+
+    def peak(self) -> int:
+        """The most bytes alive at once, leaving out the storages that ended up as a
+        parameter's ``.grad``. Ends the bookkeeping."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        grads = [p.grad for p in (ref() for ref in self.parameters) if p is not None]
+        ptrs = {_storage(g)[0] for g in grads if g is not None}
+        kept_as_grad = {self.live[ptr][0] for ptr in ptrs if ptr in self.live}
+        alive = peak = 0
+        for serial, delta in self.events:
+            if serial not in kept_as_grad:
+                alive += delta
+                peak = max(peak, alive)
+        return peak
+
+
+def measure_memory(
+    step: Callable[[], object], *, exclude: Iterable[torch.Tensor] = ()
+) -> MemoryMeasurement:
+    """Run `step`, a forward and backward on this process (for instance
+    ``lambda: parallel(*inputs).backward()``), and measure its activation memory.
+
+    Parameters (leaf tensors that require grad) and every storage they own
+    (their views, such as a linear's transposed weight) never count, nor do the
+    storages of the tensors in `exclude` (pass a module's buffers): the cost
+    model counts those with the parameters.
+
+    - ``saved_bytes``: what autograd keeps for backward at the end of forward:
+      the tensors a ``saved_tensors_hooks`` pack hook gets during the forward,
+      each distinct storage once (by data pointer) and whole (a saved view keeps
+      its base's storage). Packs during a backward (recomputation, double
+      backward) do not count. Only the innermost hooks see a pack, so hooks the
+      step installs (a non-reentrant ``torch.utils.checkpoint`` region,
+      ``autoshard.ops.keep_shard``) would hide their saves from ours: while the
+      step runs, their pack hooks are wrapped, and what counts is the tensors
+      they return, which is what autograd keeps. A checkpoint's pack returns a
+      holder with no tensor (the region's inputs count: the checkpoint saves
+      them before installing its hooks); keep_shard's returns the stored shard.
+      A packed storage is counted even if it is freed before backward (only if
+      part of the autograd graph is dropped).
+    - ``peak_bytes``: the most bytes alive at once, from the forward to the end
+      of the backward (recomputation included), of the storages ops allocate
+      during the step, seen by a ``TorchDispatchMode`` (a view or an in-place
+      result is its input's storage, not an allocation). Storages that existed
+      before the step (parameters, inputs, buffers, gradients of an earlier
+      step) never count, nor, at any time, do the storages that end the step as
+      a parameter's ``.grad``: those are the gradient bytes the cost model
+      counts with the parameters. A gradient accumulated into an existing
+      ``.grad`` counts while it is a tensor of its own.
+
+    Both are bytes of this process only; what PyTorch's ops do not allocate
+    (autograd's own objects, allocator caching) is not measured.
+    """
+    excluded = {_storage(t)[0] for t in exclude}
+    allocations = _Allocations(excluded)
+    packed: dict[int, int] = {}
+
+    def count(kept):
+        if torch._C._current_graph_task_id() == -1:  # not in a backward
+            for t in pytree.tree_leaves(kept):
+                if isinstance(t, torch.Tensor) and not _is_parameter(t):
+                    ptr, nbytes = _storage(t)
+                    if ptr not in excluded:
+                        packed[ptr] = nbytes
+        return kept
+
+    push = torch._C._autograd._push_saved_tensors_default_hooks  # saved_tensors_hooks.__enter__
+
+    def push_counting(pack_hook, unpack_hook):
+        return push(lambda t: count(pack_hook(t)), unpack_hook)
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t), allocations:
+        with mock.patch.object(
+            torch._C._autograd, "_push_saved_tensors_default_hooks", push_counting
+        ):
+            step()
+    saved = sum(n for ptr, n in packed.items() if ptr not in excluded)
+    return MemoryMeasurement(saved_bytes=saved, peak_bytes=allocations.peak())

@@ -1,0 +1,83 @@
+"""A layer's knobs (DESIGN.md): the weight stored split over M or whole over it, and
+the input kept as its stored shard and gathered again in backward. Plans with every
+knob turned run equal to serial, log exactly the predicted collectives (the
+re-gathers as "backward"), and store and save what the cost model says."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+import autoshard
+from autoshard.cost import node_costs
+from autoshard.estimate import first_users
+from autoshard.hardware import Hardware
+from autoshard.mesh import Mesh
+from autoshard.planner import Knobs, default_split, plan_graph
+from autoshard.ranks import shared_pool
+from autoshard.testing import assert_equivalent, load_factory
+from autoshard.trace import trace
+
+GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
+MESH = (2, 2, 2)
+
+
+def _turned(family: str, regather: bool = True):
+    """The model planned in `family` with every layer's knobs turned."""
+    model, inputs = load_factory(GPT)()
+    traced = trace(model, inputs)
+    mesh = Mesh.from_shape(MESH)
+    base = plan_graph(traced, mesh, family)
+    layers = [n for n, p in base.nodes.items() if p.strategy.split_weight is not None]
+    knobs = Knobs(split_weight=not default_split(family), regather=regather)
+    return traced, base, plan_graph(traced, mesh, family, knobs=dict.fromkeys(layers, knobs))
+
+
+def _logged(mesh, plan):
+    model, inputs = load_factory(GPT)()
+    parallel = autoshard.parallelize(model, mesh, inputs, plan=plan)
+    with autoshard.comm_log() as log:
+        parallel(*inputs).backward()
+    return log.bytes_by("node", "kind", "axis", "phase"), parallel.plan.predicted_comm()
+
+
+@pytest.mark.parametrize("family", ["3d", "3d-allreduce"])
+def test_turned_knobs_match_serial_and_log_what_is_predicted(family):
+    traced, base, plan = _turned(family)
+    layers = [p for p in plan.nodes.values() if p.strategy.split_weight is not None]
+    assert all(p.strategy.split_weight != default_split(family) for p in layers)
+    if family == "3d":  # every layer's input arrives by an all-gather: all kept as shards
+        assert all(p.strategy.regather for p in layers)
+    for logged, predicted in shared_pool(8).run(_logged, MESH, plan):
+        assert logged == predicted
+        assert any(k[1] == "all_gather" and k[3] == "backward" for k in predicted)
+    assert_equivalent(GPT, MESH, plan=plan)
+
+
+def test_knobs_change_what_is_stored_and_saved_as_the_cost_model_says():
+    traced, base, plan = _turned("3d")
+    hardware = Hardware.load("nvlink-8")
+    before, after = node_costs(traced, base, hardware), node_costs(traced, plan, hardware)
+    owners = first_users(traced, base)  # a tied table is stored as the embedding wants
+    d = 2
+    for name, placed in plan.nodes.items():
+        if placed.strategy.split_weight is None:
+            continue
+        inputs = traced.nodes[name].all_input_nodes
+        weight = next(i for i, n in enumerate(inputs) if n.op == "get_attr")
+        fqn = inputs[weight].target
+        shape = tuple(traced.parameters[fqn].shape)
+        if owners[fqn] == name:
+            numel = traced.parameters[fqn].numel()
+            assert _numel(base.storage[fqn].local_shape(shape, base.mesh)) == numel // d**3
+            assert _numel(plan.storage[fqn].local_shape(shape, plan.mesh)) == numel // d**2
+        # the input is kept at 1/d³ of the activation instead of 1/d², and backward
+        # pays one more all-gather of it
+        x = inputs[0 if weight else 1]
+        numel, itemsize = x.meta["val"].numel(), x.meta["val"].element_size()
+        assert before[name].saved_bytes - after[name].saved_bytes >= numel * itemsize // 8
+        assert sum(after[name].backward_comm.values()) > sum(before[name].backward_comm.values())
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
