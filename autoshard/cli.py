@@ -44,7 +44,8 @@ from autoshard.errors import AutoshardError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
-from autoshard.strategies import FAMILIES
+from autoshard.planner import default_split
+from autoshard.strategies import FAMILIES, Strategy
 
 EXIT_USAGE = 2
 _FAMILY_STYLE = {"3d": "green", "3d-allreduce": "cyan", "replicated": "yellow"}
@@ -180,10 +181,15 @@ def steps_text(steps: list[tuple[Step, bool]]) -> Text:
     return text
 
 
-def family_text(family: str, detail: str, recomputed: bool = False) -> Text:
-    text = Text(family, style=_FAMILY_STYLE.get(family, "dim"))
-    if detail:
-        text.append(" " + detail)
+def strategy_text(strategy: Strategy, recomputed: bool = False) -> Text:
+    """The family, the roles of the axes, any knob turned from the family's default."""
+    text = Text(strategy.family, style=_FAMILY_STYLE.get(strategy.family, "dim"))
+    if strategy.detail:
+        text.append(" " + strategy.detail)
+    if strategy.split_weight not in (None, default_split(strategy.family)):
+        text.append(" W split over M" if strategy.split_weight else " W whole over M", style="cyan")
+    if strategy.regather:
+        text.append(" input kept as shard", style="cyan")
     if recomputed:
         text.append(" ↺ recomputed", style="magenta")
     return text
@@ -346,7 +352,7 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
             node.name,
             short_op(node.op),
             node.module,
-            family_text(node.strategy.family, node.strategy.detail, node.name in plan.regions),
+            strategy_text(node.strategy, node.name in plan.regions),
             f"{shape_text(node.shape)} → {shape_text(local)}",
             str(node.strategy.stored),
             steps_text(node.steps_with_grad()),

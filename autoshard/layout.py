@@ -65,7 +65,7 @@ class Layout:
         keep = [n for n, s in zip(mesh.names, mesh.sizes) if s > 1]
         return Layout(
             tuple(tuple(a for a in axes if a in keep) for axes in self.dims),
-            tuple(a for a in mesh.names if a in self.partial and a in keep),
+            tuple(sorted(a for a in self.partial if a in keep)),  # a sum's order is moot
         )
 
     def shard_counts(self, mesh: Mesh) -> tuple[int, ...]:

@@ -60,5 +60,9 @@ class Mesh:
     def index(self, axis: str) -> int:
         return self.names.index(axis)
 
+    def relabeled(self, order) -> Mesh:
+        """The same axes listed in `order` (each name with its size)."""
+        return Mesh(tuple(order), tuple(self.size(a) for a in order))
+
     def __str__(self) -> str:
         return "×".join(map(str, self.sizes)) + " (" + ", ".join(self.names) + ")"

@@ -28,7 +28,14 @@ from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
 from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
-from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback, rule_for
+from autoshard.strategies import (
+    FAMILIES,
+    Context,
+    Strategy,
+    is_tensor,
+    replicated_fallback,
+    rule_for,
+)
 from autoshard.trace import Traced, module_path, tensor_inputs
 
 
@@ -104,21 +111,34 @@ def plan_graph(
     mesh: Mesh,
     strategy=None,
     *,
-    families: dict[str, str] | None = None,
-    reference: dict[str, dict[str, Layout]] | None = None,
+    order: tuple[str, ...] | None = None,
     knobs: dict[str, Knobs] | None = None,
+    fixed: dict[str, Strategy] | None = None,
+    crossing: dict[str, dict[str, Layout]] | None = None,
+    inputs: dict[str, Layout] | None = None,
 ) -> Plan:
-    """Plan every node. `families` (node name → family) overrides `strategy`'s
-    patterns; `knobs` (node name → Knobs) sets a layer's knobs. With `reference`
-    (family → node name → stored layout, from planning the whole model in each
-    family), a value that crosses into a node of another
-    family is first converted to the layout it has in that family's own plan, so
-    each part of the model is planned exactly as its family plans it alone."""
+    """Plan every node.
+
+    - `order`: the mesh axes in the order the planner prefers them (for roles
+      that cost the same, the first axis takes M, the next N, the last K);
+      default the mesh's own. The solver plans each family in every order that
+      costs differently (`autoshard.solver.orientations`).
+    - `knobs` (node name → Knobs): a layer's knobs.
+    - `fixed` (node name → Strategy): take this strategy for the node (its knobs
+      still turn it); `crossing` (node name → input name → layout): convert
+      that input to this layout first; `inputs` (placeholder → layout): how model
+      inputs are split on entry. The solver assembles its plan from these: each
+      node as it is in the plan of its part's family and orientation, and a value
+      that crosses from one part into another first converted to the layout it
+      has in the receiving part's own plan, so every part runs exactly as priced.
+    """
     check_strategy(strategy)
+    planning = mesh.relabeled(order) if order else mesh
     graph = traced.graph_module.graph
     default_family = (
         family_of("", strategy) if not isinstance(strategy, dict) else strategy.get("*", "3d")
     )
+    fixed, crossing = fixed or {}, crossing or {}
     stored: dict[fx.Node, Layout] = {}
     needs_grad: dict[fx.Node, bool] = {}
     storage: dict[str, Layout] = {}
@@ -130,10 +150,11 @@ def plan_graph(
     for node in graph.nodes:
         if node.op == "placeholder":
             val = node.meta["val"]
-            stored[node] = storage[node.name] = entry_layout(val, default_family, mesh)
+            entry = (inputs or {}).get(node.name) or entry_layout(val, default_family, planning)
+            stored[node] = storage[node.name] = entry
             whole = Layout.replicated(val.ndim)
             entry_steps[node.name] = tuple(
-                redistribute(whole, stored[node], tuple(val.shape), val.element_size(), mesh)
+                redistribute(whole, entry, tuple(val.shape), val.element_size(), mesh)
             )
             needs_grad[node] = False
         elif node.op == "get_attr":
@@ -144,19 +165,19 @@ def plan_graph(
             stored[node] = stored[parent][index]
             needs_grad[node] = needs_grad[parent]
         elif node.op == "call_function" and node.meta.get("val") is not None:
-            inputs = tensor_inputs(node)
-            family = (families or {}).get(node.name) or family_of(module_path(node), strategy)
-            layouts, bridges = [stored.get(n) for n in inputs], {}
-            for i, inp in enumerate(inputs):
-                theirs = (families or {}).get(inp.name, family)
-                pretend = (reference or {}).get(family, {}).get(inp.name)
-                if theirs != family and pretend is not None and pretend != layouts[i]:
+            operands = tensor_inputs(node)
+            chosen = fixed.get(node.name)
+            family = chosen.family if chosen else family_of(module_path(node), strategy)
+            layouts, bridges = [stored.get(n) for n in operands], {}
+            for i, inp in enumerate(operands):
+                pretend = crossing.get(node.name, {}).get(inp.name)
+                if pretend is not None and pretend != layouts[i]:
                     val = inp.meta["val"]
                     bridges[i] = redistribute(
                         layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
                     )
                     layouts[i] = pretend
-            ctx = Context(node, mesh, inputs, layouts, family)
+            ctx = Context(node, planning, operands, layouts, family)
             rule = rule_for(node.target)
             candidates = rule(ctx) if rule else []
             if not candidates:
@@ -167,7 +188,9 @@ def plan_graph(
                 notes.append(message)
                 candidates = replicated_fallback(ctx)
             own = (knobs or {}).get(node.name, Knobs())
-            nodes[node.name] = _place(node, ctx, candidates, stored, needs_grad, storage, mesh, own)
+            nodes[node.name] = _place(
+                node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
+            )
             if bridges:
                 placed = nodes[node.name]
                 placed.input_steps = tuple(
@@ -205,7 +228,9 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
     ctx = Context(node, plan.mesh, inputs, [stored.get(n) for n in inputs], placed.strategy.family)
     storage: dict[str, Layout] = {}
     candidates = rule_for(node.target)(ctx)
-    again = _place(node, ctx, candidates, stored, needs_grad, storage, plan.mesh, knobs)
+    again = _place(
+        node, ctx, candidates, stored, needs_grad, storage, plan.mesh, knobs, placed.strategy
+    )
     return dataclasses.replace(
         plan, nodes={**plan.nodes, name: again}, storage={**plan.storage, **storage}
     )
@@ -220,7 +245,11 @@ def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]
     return steps
 
 
-def _place(node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knobs) -> NodePlan:
+def _place(
+    node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knobs, chosen=None
+) -> NodePlan:
+    """The node's plan: `chosen`, or else the candidate of its family's default weight
+    storage that moves the fewest bytes; with `knobs` turned."""
     multi = not is_tensor(node)
 
     def cost(strategy) -> tuple[float, int]:
@@ -233,8 +262,10 @@ def _place(node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knob
         kept = math.prod(strategy.stored.local_shape(_shape(node), mesh))
         return sent + steps_ring_bytes(out), kept
 
-    defaults = [c for c in candidates if c.split_weight in (None, default_split(c.family))]
-    strategy = _turn_knobs(min(defaults or candidates, key=cost), candidates, knobs)
+    if chosen is None:
+        defaults = [c for c in candidates if c.split_weight in (None, default_split(c.family))]
+        chosen = min(defaults or candidates, key=cost)
+    strategy = _turn_knobs(dataclasses.replace(chosen, regather=()), candidates, knobs)
     for i, inp in enumerate(ctx.inputs):
         problem = strategy.inputs[i].indivisible(_shape(inp), mesh)
         if problem:

@@ -80,15 +80,39 @@ class Option:
     family: str
     checkpoint: bool
     knobs: frozenset[Knob] = frozenset()
+    order: tuple[str, ...] = ()  # the mesh axes as the family's plan prefers them; () as given
 
     @property
     def base(self) -> Option:
-        return Option(self.family, self.checkpoint)
+        return Option(self.family, self.checkpoint, order=self.order)
+
+    @property
+    def variant(self) -> tuple[str, tuple[str, ...]]:
+        """The plan this option's unit runs as: its family, in its order of the axes."""
+        return self.family, self.order
 
     def __str__(self) -> str:
         kinds = sorted({k.kind for k in self.knobs})
         counted = [f"{kind} ×{sum(k.kind == kind for k in self.knobs)}" for kind in kinds]
-        return " + ".join([self.family] + ["recompute"] * self.checkpoint + counted)
+        family = self.family + (f" ({','.join(self.order)})" if self.order else "")
+        return " + ".join([family] + ["recompute"] * self.checkpoint + counted)
+
+
+Variant = tuple[str, tuple[str, ...]]
+
+
+def orientations(mesh: Mesh, hardware: Hardware) -> list[tuple[str, ...]]:
+    """One order of the mesh axes for each class of orders that cost differently; ()
+    first, for the mesh's own. Axes of equal size over equal links are
+    interchangeable: on a cube of identical links every order costs the same."""
+    kind = {name: (mesh.size(name), hardware.link(i)) for i, name in enumerate(mesh.names)}
+    seen, out = set(), []
+    for order in itertools.permutations(mesh.names):
+        key = tuple(kind[name] for name in order)
+        if key not in seen:
+            seen.add(key)
+            out.append(() if order == mesh.names else order)
+    return out
 
 
 @dataclass(frozen=True)
@@ -109,8 +133,8 @@ class Problem:
     knobs: dict[tuple[str, Option], dict[Knob, Effect]]  # per unit and option
     transient: dict[tuple[str, Option], dict[str, float]]  # node → bytes, knobs at defaults
     knob_transient: dict[tuple[str, Option, Knob], float]  # the knob's node, knob on
-    convert: dict[tuple[str, str, str], float]  # (unit, family before, family of unit)
-    plans: dict[str, Plan] = field(default_factory=dict)  # the whole model in each family
+    convert: dict[tuple[str, Variant, Variant], float]  # (unit, variant before, unit's variant)
+    plans: dict[Variant, Plan] = field(default_factory=dict)  # the whole model in each variant
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
 
     def choices(self, unit: str) -> list[Option]:
@@ -120,7 +144,9 @@ class Problem:
             knobs = list(self.knobs[unit, option])
             for n in range(len(knobs) + 1):
                 for chosen in itertools.combinations(knobs, n):
-                    out.append(Option(option.family, option.checkpoint, frozenset(chosen)))
+                    out.append(
+                        Option(option.family, option.checkpoint, frozenset(chosen), option.order)
+                    )
         return out
 
     def evaluate(self, choice: dict[str, Option]) -> tuple[float, float]:
@@ -134,7 +160,7 @@ class Problem:
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
             time += sum(e.time for e in effects)
             if before is not None:
-                time += self.convert.get((unit, choice[before].family, option.family), 0.0)
+                time += self.convert.get((unit, choice[before].variant, option.variant), 0.0)
             params += sum(e.params for e in effects)
             transient = dict(self.transient[unit, base])
             for knob in option.knobs:
@@ -148,21 +174,26 @@ class Problem:
 def build_problem(
     traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
 ) -> Problem:
-    plans = {f: plan_graph(traced, mesh, f) for f in families}
-    unit = units_of(traced, plans[families[0]])
+    orders = orientations(mesh, hardware)
+    plans = {
+        (family, order): plan_graph(traced, mesh, family, order=order or None)
+        for family in families
+        for order in (orders if family != "replicated" else [()])
+    }
+    unit = units_of(traced, plans[families[0], ()])
     units = list(dict.fromkeys(unit.values()))
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
         members[u].append(name)
     problem = Problem(units, {}, {}, {}, {}, {}, {}, plans, unit)
     cache: dict[tuple, tuple] = {}
-    for family, plan in plans.items():
+    for (family, order), plan in plans.items():
         costs = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
         layers = {n for n, p in plan.nodes.items() if p.strategy.split_weight is not None}
         for u in units:
             names = members[u]
-            key = (family, _signature(plan, names))
+            key = (family, order, _signature(plan, names))
             if key not in cache:  # identical blocks cost the same: sum them once
                 total = totals(traced, plan, costs, names, optimizer, users)
                 output = sum(costs["output"].forward_comm.values()) if u == units[-1] else 0.0
@@ -183,7 +214,7 @@ def build_problem(
             total, output, knobs, transients = cache[key]
             block = u not in (PROLOGUE, EPILOGUE)
             for checkpoint in (False, True) if block else (False,):
-                option = Option(family, checkpoint)
+                option = Option(family, checkpoint, order=order)
                 problem.options.setdefault(u, []).append(option)
                 recompute = total.forward if checkpoint else 0.0
                 kept, high = own_memory(total, checkpoint)
@@ -329,10 +360,10 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         cost[columns[("e", *edge)]] = problem.convert[edge]
         entries = {columns[("e", *edge)]: 1.0}
         for option in problem.options[before]:
-            if option.family == f:
+            if option.variant == f:
                 entries[columns["x", before, option]] = -1
         for option in problem.options[unit]:
-            if option.family == g:
+            if option.variant == g:
                 entries[columns["x", unit, option]] = -1
         add(entries, -1, np.inf)
     # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
@@ -385,7 +416,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     for u in problem.units:
         option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
-        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs))
+        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
     return chosen
 
 
@@ -468,11 +499,17 @@ _REPAIRS = 8
 
 
 def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
-    families = {name: choice[u].family for name, u in problem.unit.items()}
-    reference = {
-        f: {name: node.strategy.stored for name, node in plan.nodes.items() if node.shape}
-        for f, plan in problem.plans.items()
-    }
+    """The plan of `choice`: every node as the plan of its unit's variant has it, and a
+    value crossing into a unit of another variant first converted to the layout it
+    has in that variant's plan (so every unit runs as it was priced)."""
+    variant = {name: choice[u].variant for name, u in problem.unit.items()}
+    fixed, crossing = {}, {}
+    for name, v in variant.items():
+        own = problem.plans[v].nodes
+        fixed[name] = own[name].strategy
+        for inp in tensor_inputs(traced.nodes[name]):
+            if variant.get(inp.name, v) != v and own[inp.name].shape:
+                crossing.setdefault(name, {})[inp.name] = own[inp.name].strategy.stored
     knobs: dict[str, Knobs] = {}
     for option in choice.values():
         for knob in option.knobs:
@@ -481,8 +518,9 @@ def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware
                 knobs[knob.node] = Knobs(turned.split_weight, True)
             else:
                 knobs[knob.node] = Knobs(knob.kind == SPLIT_WEIGHT, turned.regather)
-    first = choice[problem.units[0]].family  # inputs are split on entry as it reads them
-    plan = plan_graph(traced, mesh, first, families=families, reference=reference, knobs=knobs)
+    first = problem.plans[choice[problem.units[0]].variant]  # inputs split as it splits them
+    inputs = {name: first.storage[name] for name in first.entry_steps}
+    plan = plan_graph(traced, mesh, fixed=fixed, crossing=crossing, inputs=inputs, knobs=knobs)
     plan.regions = {
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }

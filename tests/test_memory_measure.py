@@ -142,17 +142,17 @@ def test_measured_activation_memory_against_the_prediction_on_2x2x2(capsys):
     for name, plan in plans.items():
         saved, peak = _predicted(plan)
         measured = [ranks[name] for ranks in per_rank]
-        with capsys.disabled():
-            print(f"\n{name}: predicted saved {saved} B, activation peak {peak} B")
-            for rank, m in enumerate(measured):
-                print(
-                    f"  rank {rank}: saved {m.saved_bytes} B ({m.saved_bytes / saved - 1:+.2%}),"
-                    f" peak {m.peak_bytes} B ({m.peak_bytes / peak - 1:+.2%})"
-                )
-        assert len(set(measured)) == 1, measured  # the plan is the same on every rank
         m = measured[0]
+        with capsys.disabled():
+            print(
+                f"\n{name}: saved {m.saved_bytes} B measured, {saved} B predicted "
+                f"({m.saved_bytes / saved - 1:+.2%}); activation peak {m.peak_bytes} B "
+                f"measured, {peak} B predicted ({m.peak_bytes / peak - 1:+.2%})"
+            )
+        assert len({m.saved_bytes for m in measured}) == 1, measured  # one plan on every rank
         assert abs(m.saved_bytes - saved) <= SAVED_TOLERANCE[name] * saved
-        assert abs(m.peak_bytes - peak) <= PEAK_TOLERANCE * peak
+        # When backward frees a buffer may differ by a few kB between ranks.
+        assert all(abs(m.peak_bytes - peak) <= PEAK_TOLERANCE * peak for m in measured)
     # The saved-input knob keeps 1/d³ of each layer input instead of 1/d² (and q, k, v
     # keep one shard between them): measured, the drop is at least the predicted one.
     before, after = per_rank[0]["3d"].saved_bytes, per_rank[0]["3d, knobs turned"].saved_bytes
