@@ -1,6 +1,6 @@
-"""Choose, per block part, a layout family, whether to recompute it, and each
-layer's knobs: the minimum predicted step time whose peak per-rank memory fits
-the budget.
+"""Choose, per block part, a layout family and an order of the mesh axes for it,
+whether to recompute it, and each layer's knobs: the minimum predicted step time
+whose peak per-rank memory fits the budget.
 
 The graph is cut into units (`autoshard.units`): each repeated block
 (``blocks.3``), cut again wherever one activation carries everything forward
@@ -11,25 +11,28 @@ unit takes one option: a family (``"3d"``, ``"3d-allreduce"``,
 per layer of the unit the two knobs of DESIGN.md — store the weight the other
 way (split over M and gathered, or whole over M with its gradient
 all-reduced) and save the input as its stored shard, gathered again in
-backward. A unit's cost under a family comes from planning the whole model in
-that family once (identical blocks are costed once); a knob's cost is the
-difference it makes to its own layer, since no knob changes a layout. Two
-neighbouring units in different families also pay for converting what
-crosses between them. Memory is tracked unit by unit (`autoshard.estimate`):
-parameters P, then each unit keeps kept[u] from its forward to its backward,
-and holds high[u] of its own plus its largest transient buffer T[u] while it
-runs. The integer program HiGHS solves:
+backward. Where the mesh's axes differ (in size, or in their links), the
+option also says in which order the family's roles take the axes
+(`orientations`): a family in one order is a variant. A unit's cost under a
+variant comes from planning the whole model in that variant once (identical
+blocks are costed once); a knob's cost is the difference it makes to its
+own layer, since no knob changes a layout. Two neighbouring units in
+different variants also pay for converting what crosses between them.
+Memory is tracked unit by unit (`autoshard.estimate`): parameters P, then
+each unit keeps kept[u] from its forward to its backward, and holds high[u]
+of its own plus its largest transient buffer T[u] while it runs. The integer
+program HiGHS solves:
 
     minimize   Σ time·x + Σ time·z + Σ convert[u, f, g]·e[u, f, g]
     subject to Σ_o x[u, o] = 1                       one option per unit
                z[u, o, k] ≤ x[u, o]                  knob k only with its option
-               e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in families f, g
+               e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in variants f, g
                P = Σ params·x + Σ params·z
                K[u] = K[u−1] + Σ kept·x + Σ kept·z   held from earlier units
                T[u] ≥ transient of each node of u   under its option and knobs
                P + K[u−1] + Σ high·x + Σ high·z + T[u] ≤ peak ≤ budget
 
-where y[u, f] sums x over u's options of family f. `brute_force` enumerates
+where y[u, f] sums x over u's options of variant f. `brute_force` enumerates
 every option and knob setting, and the tests hold the two equal.
 """
 
@@ -174,6 +177,8 @@ class Problem:
 def build_problem(
     traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
 ) -> Problem:
+    """The integer program of the module docstring, for `families` in every order of
+    the axes that costs differently (`orientations`)."""
     orders = orientations(mesh, hardware)
     plans = {
         (family, order): plan_graph(traced, mesh, family, order=order or None)
@@ -186,60 +191,95 @@ def build_problem(
     for name, u in unit.items():
         members[u].append(name)
     problem = Problem(units, {}, {}, {}, {}, {}, {}, plans, unit)
-    cache: dict[tuple, tuple] = {}
+    known: dict[tuple, _UnitCost] = {}
     for (family, order), plan in plans.items():
         costs = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
-        layers = {n for n, p in plan.nodes.items() if p.strategy.split_weight is not None}
         for u in units:
-            names = members[u]
-            key = (family, order, _signature(plan, names))
-            if key not in cache:  # identical blocks cost the same: sum them once
-                total = totals(traced, plan, costs, names, optimizer, users)
-                output = sum(costs["output"].forward_comm.values()) if u == units[-1] else 0.0
-                knobs = []
-                for name in (n for n in names if n in layers):
-                    one = totals(traced, plan, costs, [name], optimizer, users)
-                    other = Knobs(split_weight=not default_split(family))
-                    for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
-                        alt = replanned(traced, plan, name, turned)
-                        if alt.nodes[name] == plan.nodes[name]:
-                            continue  # nothing to turn: no other storage, no gathered input
-                        cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
-                        after = totals(traced, alt, {name: cost}, [name], optimizer, users)
-                        transient = cost.transient_bytes if kind == REGATHER else None
-                        knobs.append((names.index(name), kind, one, after, transient))
-                transients = [costs[n].transient_bytes for n in names]
-                cache[key] = (total, output, knobs, transients)
-            total, output, knobs, transients = cache[key]
-            block = u not in (PROLOGUE, EPILOGUE)
-            for checkpoint in (False, True) if block else (False,):
-                option = Option(family, checkpoint, order=order)
-                problem.options.setdefault(u, []).append(option)
-                recompute = total.forward if checkpoint else 0.0
-                kept, high = own_memory(total, checkpoint)
-                problem.effect[u, option] = Effect(
-                    total.time + output + recompute, total.params, kept, high
+            key = (family, order, _signature(plan, members[u]))
+            if key not in known:  # identical blocks cost the same: cost them once
+                known[key] = _unit_cost(
+                    traced, plan, members[u], costs, users, hardware, optimizer, u == units[-1]
                 )
-                problem.transient[u, option] = dict(zip(names, transients))
-                problem.knobs[u, option] = {}
-                for i, kind, before, after, transient in knobs:
-                    if kind == REGATHER and checkpoint:
-                        continue  # a replayed region keeps nothing of its own anyway
-                    if kind == "weight":
-                        kind = SPLIT_WEIGHT if not default_split(family) else WHOLE_WEIGHT
-                    knob = Knob(names[i], kind)
-                    effect = _difference(before, after, checkpoint)
-                    if _worth_having(effect, transient, transients[i]):
-                        problem.knobs[u, option][knob] = effect
-                        if transient is not None:
-                            problem.knob_transient[u, option, knob] = transient
+            _add_options(problem, u, members[u], family, order, known[key])
     for u in units[1:]:
         for f, g in itertools.permutations(plans, 2):
             problem.convert[u, f, g] = _boundary(
                 traced, plans[f], plans[g], members[u], hardware, mesh
             )
     return problem
+
+
+@dataclass(frozen=True)
+class _KnobCost:
+    position: int  # of the layer among its unit's nodes
+    kind: str  # "weight" (the other storage) | REGATHER
+    before: Totals  # the layer as its family plans it
+    after: Totals  # the layer with the knob turned
+    transient: float | None  # the layer's transient bytes with a REGATHER knob turned
+
+
+@dataclass(frozen=True)
+class _UnitCost:
+    total: Totals
+    output: float  # seconds returning the model's outputs, for the last unit
+    knobs: tuple[_KnobCost, ...]
+    transients: tuple[int, ...]  # per node, knobs at their defaults
+
+
+def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last) -> _UnitCost:
+    """A unit's totals in `plan`, and each of its layers with each knob turned."""
+    knobs = []
+    for position, name in enumerate(names):
+        placed = plan.nodes[name]
+        if placed.strategy.split_weight is None:
+            continue  # not a layer
+        before = totals(traced, plan, costs, [name], optimizer, users)
+        other = Knobs(split_weight=not default_split(placed.strategy.family))
+        for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
+            alt = replanned(traced, plan, name, turned)
+            if alt.nodes[name] == placed:
+                continue  # nothing to turn: no other storage, no gathered input
+            cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
+            after = totals(traced, alt, {name: cost}, [name], optimizer, users)
+            transient = cost.transient_bytes if kind == REGATHER else None
+            knobs.append(_KnobCost(position, kind, before, after, transient))
+    return _UnitCost(
+        totals(traced, plan, costs, names, optimizer, users),
+        sum(costs["output"].forward_comm.values()) if last else 0.0,
+        tuple(knobs),
+        tuple(costs[n].transient_bytes for n in names),
+    )
+
+
+def _add_options(problem: Problem, u: str, names, family: str, order, cost: _UnitCost) -> None:
+    """Unit `u`'s options in `family` and `order`, with or without recomputation (block
+    parts only), and the knobs worth having under each."""
+    block = u not in (PROLOGUE, EPILOGUE)
+    for checkpoint in (False, True) if block else (False,):
+        option = Option(family, checkpoint, order=order)
+        problem.options.setdefault(u, []).append(option)
+        total = cost.total
+        kept, high = own_memory(total, checkpoint)
+        recompute = total.forward if checkpoint else 0.0
+        problem.effect[u, option] = Effect(
+            total.time + cost.output + recompute, total.params, kept, high
+        )
+        problem.transient[u, option] = dict(zip(names, cost.transients))
+        problem.knobs[u, option] = {}
+        for knob_cost in cost.knobs:
+            if knob_cost.kind == REGATHER and checkpoint:
+                continue  # a replayed region keeps nothing of its own anyway
+            kind = knob_cost.kind
+            if kind == "weight":
+                kind = WHOLE_WEIGHT if default_split(family) else SPLIT_WEIGHT
+            knob = Knob(names[knob_cost.position], kind)
+            effect = _difference(knob_cost.before, knob_cost.after, checkpoint)
+            transient = knob_cost.transient
+            if _worth_having(effect, transient, cost.transients[knob_cost.position]):
+                problem.knobs[u, option][knob] = effect
+                if transient is not None:
+                    problem.knob_transient[u, option, knob] = transient
 
 
 def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
@@ -253,8 +293,8 @@ def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
 
 def _worth_having(effect: Effect, transient: float | None, transient_before: float) -> bool:
     """A knob that costs time and saves no memory is never chosen; leave it out."""
-    memory = (effect.params, effect.kept, effect.high, (transient or 0) - transient_before)
-    saves = any(m < 0 for m in memory[:3]) or (transient is not None and memory[3] < 0)
+    smaller_transient = transient is not None and transient < transient_before
+    saves = min(effect.params, effect.kept, effect.high) < 0 or smaller_transient
     return saves or effect.time < 0
 
 
