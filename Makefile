@@ -31,7 +31,7 @@ test: install
 	$(PY) -m pytest
 
 demo: install
-	$(VENV)/bin/autoshard show examples/mlp.py:mlp --mesh 2x2x2 --budget 40KiB
+	$(VENV)/bin/autoshard show examples/mlp.py:mlp --mesh 2x2x2 --budget 32KiB
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train.py --steps 5
 
 bench: install

@@ -40,7 +40,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, human_bytes
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
@@ -132,17 +132,6 @@ def load_model(spec: str):
 
 
 # ---------------------------------------------------------------------------- formatting
-
-
-def human_bytes(n: float) -> str:
-    """2048 → ``2.0 KiB``; below 1 KiB in whole bytes."""
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        n /= 1024
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def short_op(op: str) -> str:

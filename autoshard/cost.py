@@ -407,12 +407,11 @@ def _lowered_layer_norm(node, in_shapes, out_shape, ng) -> Saved:
 
 
 def _lowered_cross_entropy(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.ops.cross_entropy` over sharded logits keeps exp(shifted logits) and the
-    shifted logits (the target's gather keeps its source), and per row the gather
-    index (int64), the sum of exponentials and two bool masks."""
+    """`autoshard.ops.cross_entropy` over sharded logits keeps the local softmax and per
+    row the target's index (int64) and two bool masks."""
     logits, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
     rows = _numel(in_shapes[0][:-1])
-    return Saved(extra_bytes=2 * logits * item + rows * (8 + item + 2))
+    return Saved(extra_bytes=logits * item + rows * (8 + 2) + item)
 
 
 def _lowered_vocab_embedding(node, in_shapes, out_shape, ng) -> Saved:
@@ -549,12 +548,38 @@ def _stored_layout(plan: Plan, node: fx.Node):
     return placed.strategy.stored if placed is not None else plan.storage[node.target]
 
 
+_VIEWS = {  # ops whose output is a view of their input, with as many elements
+    aten.view.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.alias.default,
+}
+
+
+def _storage_of(value: fx.Node, plan: Plan) -> str:
+    """The node whose storage `value` is: itself, or what it views through view ops
+    that take no collective (a view exported from the serial model is a view of the
+    local tensor too, since that tensor came out of the same op on a shard)."""
+    while value.target in _VIEWS and value.name in plan.nodes:
+        if any(plan.nodes[value.name].input_steps):
+            break
+        value = tensor_inputs(value)[0]
+    return value.name
+
+
 def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
-    """The largest of what a node holds only while it runs, forward or backward: the
-    gathered copies of its activation inputs (not kept for backward), its result
-    before the output collectives, and in backward their gradients and any input
-    gathered again. Gathered parameters are left out: those a node keeps are saved
-    bytes, the gradients of the others are parameter bytes."""
+    """The largest of what a node holds only while it runs, forward or backward: in
+    forward the gathered copies of its activation inputs that it does not keep and its
+    result before the output collectives; in backward the gradient of its result, of
+    each activation input that needs one (at the sizes it computes on) and of each
+    parameter that reaches it through a collective (before that gradient is reduced
+    onto the stored shard), and any input gathered again. A parameter's own
+    gradient is parameter bytes; a gathered parameter kept for backward is saved
+    bytes."""
     inputs = tensor_inputs(node)
     strategy = node_plan.strategy
     keeps = saved(
@@ -564,19 +589,23 @@ def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
         needs_grad=node_plan.input_needs_grad,
         lowering=strategy.lowering,
     ).inputs
-    gathered = [
-        _numel(in_shapes[i]) * _itemsize(inp) if node_plan.input_steps[i] else 0
-        for i, inp in enumerate(inputs)
-    ]
+    size = [_numel(shape) * _itemsize(inp) for inp, shape in zip(inputs, in_shapes)]
     activations = [i for i, inp in enumerate(inputs) if inp.op != "get_attr"]
-    unreduced = _numel(out_shape) * _itemsize(node) if node_plan.output_steps else 0
-    forward = unreduced + sum(
-        gathered[i] for i in activations if i not in keeps or i in strategy.regather
+    result = _numel(out_shape) * _itemsize(node)
+    forward = result * bool(node_plan.output_steps) + sum(
+        size[i]
+        for i in activations
+        if node_plan.input_steps[i] and (i not in keeps or i in strategy.regather)
     )
+    reduced = [i for i, steps in enumerate(node_plan.input_steps) if steps]
     backward = (
-        unreduced * node_plan.needs_grad
-        + sum(gathered[i] for i in activations if node_plan.input_needs_grad[i])
-        + sum(gathered[i] for i in strategy.regather)
+        result * node_plan.needs_grad
+        + sum(
+            size[i]
+            for i in range(len(inputs))
+            if node_plan.input_needs_grad[i] and (i in activations or i in reduced)
+        )
+        + sum(size[i] for i in strategy.regather)
     )
     return max(forward, backward)
 
@@ -629,15 +658,15 @@ def node_cost(
         lowering=strategy.lowering,
     )
     # An input kept as it is stored (a shard kept for a re-gather too), or the output
-    # kept as it is stored, is the very tensor every other node that keeps it keeps:
-    # named, so it counts once.
+    # kept as it is stored, is the very tensor every other node that keeps it (or a
+    # view of it) keeps: named by its storage, so it counts once.
     shared = {}
     for part in list(parts):
         if part == "output" and not node_plan.output_steps:
-            shared[node.name] = parts.pop(part)
+            shared[_storage_of(node, plan)] = parts.pop(part)
         elif isinstance(part, int) and inputs[part].op != "get_attr":
             if not node_plan.input_steps[part] or part in strategy.regather:
-                shared[inputs[part].name] = parts.pop(part)
+                shared[_storage_of(inputs[part], plan)] = parts.pop(part)
     comm_forward, comm_backward = _comm(node_plan.steps_with_grad(), hardware, mesh)
     for step in node_plan.regathered_steps():  # backward gathers the kept shard again
         seconds = step_time(step, hardware, mesh)[0]

@@ -31,3 +31,14 @@ class HardwareError(AutoshardError):
 
 class BudgetError(AutoshardError):
     """No plan fits the memory budget."""
+
+
+def human_bytes(n: float) -> str:
+    """2048 → ``2.0 KiB``; below 1 KiB in whole bytes."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")

@@ -127,28 +127,43 @@ def cross_entropy(
     reduction: int = 1,
 ):
     """Mean (reduction=1) or sum (2) cross-entropy of [tokens, vocab] logits whose
-    vocabulary is split over `vocab_axes` and tokens over `token_axes`."""
+    vocabulary is split over `vocab_axes` and tokens over `token_axes`. Backward
+    needs no collective, and keeps only the local softmax (one logits-sized tensor)
+    and a few values per token."""
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, vocab_size, vocab_axes, token_axes, node, ignore_index, reduction
+    )
 
-    def total(t, axes, backward="identity"):
-        for axis in axes:
-            t = comm.all_reduce(t, axis=axis, backward=backward, node=node)
-        return t
 
-    with torch.no_grad():
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size, vocab_axes, token_axes, node, ignore, reduction):
+        def total(t, axes):
+            for axis in axes:
+                t = comm.all_reduce(t, axis=axis, backward="identity", node=node)
+            return t
+
         row_max = logits.max(dim=-1).values
         for axis in vocab_axes:
             row_max = comm.all_reduce_max(row_max, axis=axis, node=node)
-    shifted = logits - row_max.unsqueeze(-1)
-    sum_exp = total(shifted.exp().sum(-1), vocab_axes)
-    start, length = _chunk_start(vocab_size, vocab_axes)
-    local = target - start
-    held = (local >= 0) & (local < length)
-    picked = shifted.gather(-1, (local * held).unsqueeze(-1)).squeeze(-1) * held
-    target_logit = total(picked, vocab_axes)
-    valid = target != ignore_index
-    per_token = (torch.log(sum_exp) - target_logit) * valid
-    loss = total(per_token.sum(), token_axes)
-    if reduction == 2:
-        return loss
-    count = total(valid.sum().to(logits.dtype), token_axes)
-    return loss / count
+        shifted = logits - row_max.unsqueeze(-1)
+        probs = shifted.exp()
+        sum_exp = total(probs.sum(-1), vocab_axes)
+        start, length = _chunk_start(vocab_size, vocab_axes)
+        local = target - start
+        held = (local >= 0) & (local < length)
+        index = (local * held).unsqueeze(-1)
+        target_logit = total(shifted.gather(-1, index).squeeze(-1) * held, vocab_axes)
+        valid = target != ignore
+        loss = total(((torch.log(sum_exp) - target_logit) * valid).sum(), token_axes)
+        count = total(valid.sum().to(logits.dtype), token_axes) if reduction == 1 else None
+        probs /= sum_exp.unsqueeze(-1)  # the softmax of this rank's slice of the vocabulary
+        ctx.save_for_backward(probs, index, held, valid, count)
+        return loss if count is None else loss / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, index, held, valid, count = ctx.saved_tensors
+        scale = grad / count if count is not None else grad
+        out = probs.scatter_add(-1, index, -held.unsqueeze(-1).to(probs.dtype))
+        return out.mul_((valid.to(probs.dtype) * scale).unsqueeze(-1)), *([None] * 7)

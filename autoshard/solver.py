@@ -48,7 +48,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from autoshard.cost import node_cost, node_costs, step_time
-from autoshard.errors import BudgetError, StrategyError
+from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.hardware import Hardware
 from autoshard.layout import redistribute
@@ -327,8 +327,8 @@ def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
     if choice is None:
         smallest = smallest_peak(problem)
         raise BudgetError(
-            f"no plan fits a memory budget of {_gib(budget)} per rank; the smallest that "
-            f"fits is {_gib(smallest)} ({int(math.ceil(smallest))} bytes): raise "
+            f"no plan fits a memory budget of {human_bytes(budget)} per rank; the smallest that "
+            f"fits is {human_bytes(smallest)} ({int(math.ceil(smallest))} bytes): raise "
             "memory_budget, or use a larger mesh"
         )
     return choice
@@ -337,10 +337,6 @@ def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
 def smallest_peak(problem: Problem) -> float:
     """The lowest peak memory of any choice (bytes per rank)."""
     return problem.evaluate(_milp(problem, None, minimize_memory=True))[1]
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.3f} GiB"
 
 
 _MIB = 2.0**20  # memory rows in MiB keep the coefficients near 1 for HiGHS
@@ -528,8 +524,8 @@ def plan_model(
                 return plan
             budget -= overshoot
         raise BudgetError(
-            f"no plan found within a memory budget of {_gib(memory_budget)} per rank "
-            f"(the closest peaks at {_gib(plan.cost.peak_memory)}): raise memory_budget"
+            f"no plan found within a memory budget of {human_bytes(memory_budget)} per rank "
+            f"(the closest peaks at {human_bytes(plan.cost.peak_memory)}): raise memory_budget"
         )
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan

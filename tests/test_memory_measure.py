@@ -120,19 +120,14 @@ def _training_step(parallel, inputs):
     parallel(*inputs).backward()
 
 
-# Measured on gpt (8×32 tokens, d = 32, vocab 64, 2 layers, p = 0), torch 2.13, every
-# rank alike. Saved bytes: 3d 309 572 measured, 309 568 predicted (the 4 B are the
-# loss's scalar token count); replicated 1 269 508 against 1 335 040 (−4.9%): SDPA's
-# output is kept by SDPA and, through a transpose and reshape that happen to be views,
-# by attn.proj; the model counts a tensor two nodes keep once only when both keep it
-# as it is stored, not through views. The activation peak adds the transients of one
-# node: predicted 334 144 for 3d against 326 856 measured (+2.2%); replicated 1 335 040
-# against 1 399 048 (−4.6%: the cross-entropy's gather backward makes two
-# logits-sized buffers the model does not price, and the SDPA double count above).
-# With the knobs turned, attn.proj keeps its input as the stored shard, which is that
-# same view of SDPA's output: 2 × 4 096 B counted twice (predicted 215 360, measured
-# 207 172, +4.0%).
-SAVED_TOLERANCE = {"3d": 1e-4, "3d, knobs turned": 0.05, "replicated": 0.05}
+# Measured on gpt (8×32 tokens, d = 32, vocab 64, 2 layers, p = 0), torch 2.13, fp32:
+# the saved bytes equal the prediction exactly for all three plans (3d 301 124 B,
+# replicated 1 202 948 B, 3d with the knobs turned 198 724 B). The activation peak
+# adds the transients of the node running at the worst moment (its gathered
+# operands, unreduced result and the gradients in flight): predicted 327 748 /
+# 1 334 020 / 253 120 B against 326 856 / 1 339 136 / 261 320 B measured
+# (−0.3%, +0.4%, +3.2%); when backward frees a buffer is not modelled, so the peak
+# is compared within 5%.
 PEAK_TOLERANCE = 0.05
 
 
@@ -149,13 +144,10 @@ def test_measured_activation_memory_against_the_prediction_on_2x2x2(capsys):
                 f"({m.saved_bytes / saved - 1:+.2%}); activation peak {m.peak_bytes} B "
                 f"measured, {peak} B predicted ({m.peak_bytes / peak - 1:+.2%})"
             )
-        assert len({m.saved_bytes for m in measured}) == 1, measured  # one plan on every rank
-        assert abs(m.saved_bytes - saved) <= SAVED_TOLERANCE[name] * saved
+        assert {m.saved_bytes for m in measured} == {saved}, measured
         # When backward frees a buffer may differ by a few kB between ranks.
         assert all(abs(m.peak_bytes - peak) <= PEAK_TOLERANCE * peak for m in measured)
     # The saved-input knob keeps 1/d³ of each layer input instead of 1/d² (and q, k, v
-    # keep one shard between them): measured, the drop is at least the predicted one.
+    # keep one shard between them): a third less is kept.
     before, after = per_rank[0]["3d"].saved_bytes, per_rank[0]["3d, knobs turned"].saved_bytes
-    predicted_drop = _predicted(plans["3d"])[0] - _predicted(plans["3d, knobs turned"])[0]
-    assert predicted_drop <= before - after <= predicted_drop + 2 * 4096 + 4
     assert after < 0.7 * before
