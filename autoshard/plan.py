@@ -142,8 +142,8 @@ def _strategy(d: dict) -> Strategy:
         internal=tuple(_step(x) for x in d["internal"]),
         outputs=tuple(_layout(x) for x in d["outputs"]),
         detail=d["detail"],
-        split_weight=d["split_weight"],
-        regather=tuple(d["regather"]),
+        split_weight=d.get("split_weight"),  # plans saved before the knobs lack both
+        regather=tuple(d.get("regather", ())),
     )
 
 
