@@ -16,9 +16,9 @@ every later unit has freed its activations — the rank holds
     parameters + Σ kept[v < u] + high[u]
 
 where high[u] is u's own saved activations (for a recomputed unit, its
-inputs plus everything its replay saves again) plus the largest transient
-buffer of one of its nodes (gathered operands, unreduced results, their
-gradients). The peak is the largest of these.
+inputs plus everything its replay saves again), the gradient of its inputs,
+and the largest transient buffer of one of its nodes (gathered operands,
+unreduced results, their gradients). The peak is the largest of these.
 """
 
 from __future__ import annotations
@@ -113,10 +113,12 @@ def first_users(traced: Traced, plan: Plan) -> dict[str, str]:
 
 def own_memory(total: Totals, recomputed: bool) -> tuple[int, int]:
     """What a unit keeps from its forward to its backward, and what it holds of its
-    own while it runs, its transient buffers aside (see the module docstring)."""
+    own while it runs, its transient buffers aside (see the module docstring): its
+    saved activations, and the gradient of what enters it, which grows while its
+    backward runs; a recomputed unit also holds its inputs, and replays the rest."""
     if recomputed:
-        return total.entry, total.entry + total.saved
-    return total.saved, total.saved
+        return total.entry, 2 * total.entry + total.saved
+    return total.saved, total.saved + total.entry
 
 
 def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 2.0) -> Cost:
