@@ -129,26 +129,16 @@ _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", 
 def recompute_context():
     """For `torch.utils.checkpoint.checkpoint(context_fn=...)`: the replay in backward
     runs on the mesh of the first forward, and its collectives log as "recompute"."""
-    mesh = current_mesh()
-
-    @contextlib.contextmanager
-    def replay():
-        token = _PHASE.set("recompute")
-        try:
-            with bound(mesh):
-                yield
-        finally:
-            _PHASE.reset(token)
-
-    return contextlib.nullcontext(), replay()
+    return contextlib.nullcontext(), replaying(current_mesh(), "recompute")
 
 
 @contextlib.contextmanager
-def in_phase(phase: str):
-    """Log the collectives run inside the block under `phase`."""
+def replaying(mesh: BoundMesh, phase: str):
+    """Run collectives later (in backward) on `mesh`, logged under `phase`."""
     token = _PHASE.set(phase)
     try:
-        yield
+        with bound(mesh):
+            yield
     finally:
         _PHASE.reset(token)
 

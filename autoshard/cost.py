@@ -330,7 +330,7 @@ def saved(
 ) -> Saved:
     """What autograd keeps for `node`'s backward, op by op (as torch's derivatives.yaml),
     or, where the node runs as one of autoshard's lowerings (`lowering`, from its
-    strategy), what that implementation keeps (`_saved_by_lowering`):
+    strategy), what that implementation keeps (`_LOWERED`):
 
     - products (linear, addmm, mm, matmul, bmm, baddbmm) and mul: each matrix
       operand, if the other one needs a gradient (a linear keeps its input for
@@ -543,11 +543,6 @@ def _comm(
     return dict(forward), dict(backward)
 
 
-def _stored_layout(plan: Plan, node: fx.Node):
-    placed = plan.nodes.get(node.name)
-    return placed.strategy.stored if placed is not None else plan.storage[node.target]
-
-
 _VIEWS = {  # ops whose output is a view of their input, with as many elements
     aten.view.default,
     aten.transpose.int,
@@ -643,7 +638,7 @@ def node_cost(
     )
     held = [inp.op == "get_attr" and not node_plan.input_steps[i] for i, inp in enumerate(inputs)]
     kept_shapes = [
-        _stored_layout(plan, inp).local_shape(tuple(inp.meta["val"].shape), mesh)
+        plan.stored_layout(inp).local_shape(tuple(inp.meta["val"].shape), mesh)
         if i in strategy.regather
         else shape
         for i, (inp, shape) in enumerate(zip(inputs, in_shapes))

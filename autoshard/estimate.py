@@ -88,16 +88,11 @@ def totals(
         multiplier = optimizer if tensor.requires_grad else -2.0  # buffers: the tensor alone
         params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
     for inp in entering:
-        layout = plan.storage.get(inp.name) or _stored(plan, inp)
+        layout = plan.stored_layout(inp)
         if layout is not None and hasattr(inp.meta.get("val"), "shape"):
             local = layout.local_shape(tuple(inp.meta["val"].shape), plan.mesh)
             entry += math.prod(local) * inp.meta["val"].element_size()
     return Totals(compute, forward, dict(comm), saved, params, entry, transient)
-
-
-def _stored(plan: Plan, node):
-    placed = plan.nodes.get(node.name)
-    return placed.strategy.stored if placed is not None and placed.shape else None
 
 
 def first_users(traced: Traced, plan: Plan) -> dict[str, str]:

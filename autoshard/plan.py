@@ -61,6 +61,14 @@ class Plan:
     choices: dict[str, str] = field(default_factory=dict)  # unit → option the solver chose
     cost: Cost | None = None
 
+    def stored_layout(self, node) -> Layout | None:
+        """How the value of fx node `node` is stored: a placed node's output, or an
+        input or parameter from `storage` (None for what the plan does not lay out)."""
+        placed = self.nodes.get(node.name)
+        if placed is not None:
+            return placed.strategy.stored if placed.shape else None
+        return self.storage.get(node.target if node.op == "get_attr" else node.name)
+
     def to_json(self) -> str:
         return json.dumps(plan_to_dict(self), indent=1)
 

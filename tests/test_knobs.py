@@ -69,15 +69,11 @@ def test_knobs_change_what_is_stored_and_saved_as_the_cost_model_says():
         shape = tuple(traced.parameters[fqn].shape)
         if owners[fqn] == name:
             numel = traced.parameters[fqn].numel()
-            assert _numel(base.storage[fqn].local_shape(shape, base.mesh)) == numel // d**3
-            assert _numel(plan.storage[fqn].local_shape(shape, plan.mesh)) == numel // d**2
+            assert math.prod(base.storage[fqn].local_shape(shape, base.mesh)) == numel // d**3
+            assert math.prod(plan.storage[fqn].local_shape(shape, plan.mesh)) == numel // d**2
         # the input is kept at 1/d³ of the activation instead of 1/d², and backward
         # pays one more all-gather of it
         x = inputs[0 if weight else 1]
         numel, itemsize = x.meta["val"].numel(), x.meta["val"].element_size()
         assert before[name].saved_bytes - after[name].saved_bytes >= numel * itemsize // 8
         assert sum(after[name].backward_comm.values()) > sum(before[name].backward_comm.values())
-
-
-def _numel(shape) -> int:
-    return math.prod(shape)
