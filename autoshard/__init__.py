@@ -7,6 +7,7 @@ print(parallel.code)        # the rewritten program, collectives included
 """
 
 from autoshard.api import ParallelModule, parallelize, plan
+from autoshard.clip import clip_grad_norm_
 from autoshard.comm import CommLog, CommRecord, comm_log
 from autoshard.errors import (
     AutoshardError,
@@ -40,6 +41,7 @@ __all__ = [
     "Step",
     "StrategyError",
     "TraceError",
+    "clip_grad_norm_",
     "comm_log",
     "parallelize",
     "plan",
