@@ -152,6 +152,7 @@ class ParallelModule(torch.nn.Module):
         self._mesh = mesh
         self._input_shapes = traced.input_shapes
         self._aliases = traced.aliases
+        self._transient = traced.transient
         self._out_spec = traced.out_spec
         for name, child in program.named_children():
             self.add_module(name, child)
@@ -201,7 +202,13 @@ class ParallelModule(torch.nn.Module):
         CPU, by rank 0 alone (the others get an empty dict): no rank ever holds
         more than its shards and one full tensor, so a model too big for one
         device can be exported from its shards."""
-        return self._gathered(dict(self.program.state_dict(keep_vars=True)), rank0_only)
+        return self._gathered(self.local_state_dict(), rank0_only)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every tensor of the model's state_dict (parameters and
+        persistent buffers), by FQN; `plan.storage` says how each is split."""
+        state = self.program.state_dict(keep_vars=True)
+        return {fqn: t for fqn, t in state.items() if fqn not in self._transient}
 
     def full_grads(self, rank0_only: bool = False) -> dict[str, torch.Tensor | None]:
         """Every parameter's gradient at its original shape and name (a collective);

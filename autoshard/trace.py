@@ -30,6 +30,7 @@ class Traced:
     out_spec: pytree.TreeSpec
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
     aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
+    transient: frozenset[str] = frozenset()  # FQNs not in the model's state_dict (non-persistent)
 
     @cached_property
     def nodes(self) -> dict[str, fx.Node]:
@@ -86,7 +87,12 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     graph_module = fx.GraphModule(parameters, graph)
     out_spec = exported.call_spec.out_spec
     shapes = tuple(tuple(t.shape) for t in example_inputs)
-    return Traced(graph_module, shapes, out_spec, parameters, {f: aliases[f] for f in attrs})
+    transient = frozenset(signature.non_persistent_buffers) | frozenset(
+        signature.inputs_to_lifted_tensor_constants.values()
+    )
+    return Traced(
+        graph_module, shapes, out_spec, parameters, {f: aliases[f] for f in attrs}, transient
+    )
 
 
 def _first_in(names, state) -> str:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.cli import main, parse_mesh, rank_coordinate, shard_slices, slice_text
+from autoshard.cli import main, parse_mesh, rank_coordinate, slice_text
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 
@@ -125,7 +125,7 @@ def test_helpers():
     assert rank_coordinate(mesh, 6) == {"a": 1, "b": 1, "c": 0}
     layout = Layout((("b", "a"), ("c",)))
     coord = rank_coordinate(mesh, 5)  # a=1, b=0, c=1: row chunk 0*2+1 = 1
-    slices = shard_slices((64, 16), layout, mesh, coord)
+    slices = layout.shard_slices((64, 16), mesh, coord)
     assert slices == [(16, 32), (8, 16)]
     assert slice_text((64, 16), slices) == "rows 16:32, cols 8:16"
     assert slice_text((16,), [(0, 16)]) == "all"
