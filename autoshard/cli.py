@@ -466,7 +466,14 @@ def show(args, console: Console) -> None:
         warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
         model, inputs = load_model(args.model)
         traced = trace(model, inputs)
-        plan = plan_model(traced, mesh, strategy=strategy, memory_budget=budget, hardware=hardware)
+        plan = plan_model(
+            traced,
+            mesh,
+            strategy=strategy,
+            memory_budget=budget,
+            hardware=hardware,
+            strategy_space=args.space,
+        )
         program = None if args.no_code else emit(traced, plan)
 
     _header(console, model, plan, strategy, traced.parameters)
