@@ -19,9 +19,11 @@ from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.hardware import DEFAULT, Hardware
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
+from autoshard.modes import trace_modes
 from autoshard.plan import Plan
+from autoshard.planner import inputs_planned_with_grad
 from autoshard.solver import plan_model
-from autoshard.trace import Traced, trace
+from autoshard.trace import Traced
 from passes import ShardParameters, emit
 
 
@@ -48,7 +50,7 @@ def plan(
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
     number).
     """
-    traced = trace(model, example_inputs)
+    traced = trace_modes(model, example_inputs)
     mesh = Mesh.from_shape(mesh_shape)
     return _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer)
 
@@ -73,7 +75,7 @@ def parallelize(
     """
     _check_mesh(mesh)
     layout = Mesh.from_device_mesh(mesh)
-    traced = trace(model, example_inputs)
+    traced = trace_modes(model, example_inputs)
     if plan is None:
         plan = _solved(traced, layout, strategy, memory_budget, hardware, strategy_space, optimizer)
     elif plan.mesh != layout:
@@ -154,18 +156,33 @@ class ParallelModule(torch.nn.Module):
         self._aliases = traced.aliases
         self._transient = traced.transient
         self._out_spec = traced.out_spec
+        self._planned_with_grad = inputs_planned_with_grad(traced, plan)
+        self._refused_modes = traced.refused_modes
         for name, child in program.named_children():
             self.add_module(name, child)
         for name, param in program.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buf in program.named_buffers(recurse=False):
             self.register_buffer(name, buf)
+        self.train(traced.training)
 
     @property
     def code(self) -> str:
         return self.program.code
 
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Dropouts that follow the mode read the program's `training` flag at run time."""
+        super().train(mode)
+        self.program.train(mode)
+        return self
+
     def forward(self, *inputs):
+        if self.training in self._refused_modes:
+            raise InputError(
+                f"this module cannot run in {'train' if self.training else 'eval'} mode: "
+                f"{self._refused_modes[self.training]}; parallelize the model again in that "
+                f"mode (model.{'train' if self.training else 'eval'}())"
+            )
         shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
         if shapes != self._input_shapes:
             raise InputError(
@@ -173,9 +190,22 @@ class ParallelModule(torch.nn.Module):
                 f"{list(self._input_shapes)} this module was planned for; parallelize again "
                 "with examples of the new shapes"
             )
+        self._check_input_grads(inputs)
         with comm.bound(self._mesh):
             outputs = self.program(*inputs)
         return pytree.tree_unflatten(list(outputs), self._out_spec)
+
+    def _check_input_grads(self, inputs) -> None:
+        """An input's gradient is exact only if the plan was made for one that needs it."""
+        if not torch.is_grad_enabled():
+            return
+        for (name, planned), t in zip(self._planned_with_grad.items(), inputs):
+            if isinstance(t, torch.Tensor) and t.requires_grad and not planned:
+                raise InputError(
+                    f"input '{name}' requires grad, but this module was planned for an example "
+                    "input that does not, so its gradient would not be summed over the mesh; "
+                    "give parallelize (and autoshard.plan) the example with requires_grad_(True)"
+                )
 
     def _gathered(
         self, tensors: dict[str, torch.Tensor | None], rank0_only: bool = False

@@ -449,8 +449,8 @@ def _cost_table(plan: Plan, hardware: str, budget: float | None) -> Table:
 
 def show(args, console: Console) -> None:
     from autoshard.api import _hardware
+    from autoshard.modes import trace_modes
     from autoshard.solver import plan_model
-    from autoshard.trace import trace
     from passes import emit
 
     shape = parse_mesh(args.mesh)
@@ -465,7 +465,7 @@ def show(args, console: Console) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
         model, inputs = load_model(args.model)
-        traced = trace(model, inputs)
+        traced = trace_modes(model, inputs)
         plan = plan_model(
             traced,
             mesh,

@@ -160,7 +160,10 @@ def plan_graph(
             entry_steps[node.name] = tuple(
                 redistribute(whole, entry, tuple(val.shape), val.element_size(), mesh)
             )
-            needs_grad[node] = False
+            # An input that requires grad gets the serial gradient: every consumer reduces
+            # the gradient it sends back (its input steps), and the entry split's
+            # backward gathers the full gradient on every rank.
+            needs_grad[node] = bool(val.requires_grad and val.is_floating_point())
         elif node.op == "get_attr":
             tensor = traced.parameters[node.target]
             needs_grad[node] = bool(tensor.requires_grad and tensor.is_floating_point())
@@ -349,3 +352,19 @@ def _no_fit_message(ctx: Context, node: fx.Node, mesh: Mesh) -> str:
         f"{_describe(node)}: no {ctx.family!r} layout on mesh {mesh} divides its tensors "
         f"({shapes}); {_ADVICE}"
     )
+
+
+def inputs_planned_with_grad(traced: Traced, plan: Plan) -> dict[str, bool]:
+    """For each model input (placeholder name), whether `plan` sends its gradient back
+    exact: planned from an example input that requires grad, or read by no planned node
+    (its gradient then comes straight from the gathered output)."""
+    out = {}
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            flags = [
+                plan.nodes[user.name].input_needs_grad[tensor_inputs(user).index(node)]
+                for user in node.users
+                if user.name in plan.nodes
+            ]
+            out[node.name] = all(flags)
+    return out

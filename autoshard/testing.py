@@ -9,8 +9,9 @@
 
 Every rank of a real gloo mesh builds the model from the factory (same
 seed), runs the serial copy and the parallel program side by side for
-`steps` SGD steps, and compares the outputs, every parameter gradient
-(gathered with `full_grads`) and the parameters after the steps. The loss
+`steps` optimizer steps (`torch_optimizer`, SGD by default), and compares the
+outputs, every parameter gradient (gathered with `full_grads`), the gradient
+of every example input that requires grad, and the parameters after the steps. The loss
 is a fixed random weighting of the outputs, so every output element
 matters. Dropout draws the same masks in both (same seed before each step).
 
@@ -99,19 +100,22 @@ def _loss(outputs) -> torch.Tensor:
     return total
 
 
-def _equivalence_job(mesh, factory, planning: dict, steps: int, lr: float) -> list[Mismatch]:
+def _equivalence_job(
+    mesh, factory, planning: dict, steps: int, lr: float, torch_optimizer=torch.optim.SGD
+) -> list[Mismatch]:
     if isinstance(factory, str):
         factory = load_factory(factory)
     torch.manual_seed(0)
     model, inputs = factory()
     serial = copy.deepcopy(model)
+    serial_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
     parallel = parallelize(model, mesh, inputs, **planning)
-    serial_opt = torch.optim.SGD(serial.parameters(), lr=lr)
-    parallel_opt = torch.optim.SGD(parallel.parameters(), lr=lr)
+    serial_opt = torch_optimizer(serial.parameters(), lr=lr)
+    parallel_opt = torch_optimizer(parallel.parameters(), lr=lr)
     found: list[Mismatch] = []
     for step in range(steps):
         torch.manual_seed(100 + step)
-        want = serial(*inputs)
+        want = serial(*serial_inputs)
         torch.manual_seed(100 + step)
         got = parallel(*inputs)
         for i, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want))):
@@ -121,6 +125,10 @@ def _equivalence_job(mesh, factory, planning: dict, steps: int, lr: float) -> li
         grads = parallel.full_grads()
         for name, param in serial.named_parameters():
             found.append(_compare("grad", name, step, grads.get(name), param.grad))
+        for i, (t, reference) in enumerate(zip(inputs, serial_inputs)):
+            if reference.requires_grad:
+                found.append(_compare("grad", f"input {i}", step, t.grad, reference.grad))
+                t.grad = reference.grad = None
         serial_opt.step()
         parallel_opt.step()
         serial_opt.zero_grad()
@@ -132,11 +140,19 @@ def _equivalence_job(mesh, factory, planning: dict, steps: int, lr: float) -> li
 
 
 def equivalence_report(
-    factory, mesh_shape, *, steps: int = 3, lr: float = 0.1, **planning
+    factory,
+    mesh_shape,
+    *,
+    steps: int = 3,
+    lr: float = 0.1,
+    torch_optimizer=torch.optim.SGD,
+    **planning,
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
-    per_rank = pool.run(_equivalence_job, tuple(mesh_shape), factory, planning, steps, lr)
+    per_rank = pool.run(
+        _equivalence_job, tuple(mesh_shape), factory, planning, steps, lr, torch_optimizer
+    )
     return [
         Mismatch(m.what, m.name, m.step, m.max_abs, m.scale, rank)
         for rank, found in enumerate(per_rank)
@@ -152,6 +168,7 @@ def assert_equivalent(
     rtol: float = 1e-5,
     atol: float = 0.0,
     lr: float = 0.1,
+    torch_optimizer=torch.optim.SGD,
     **planning,
 ) -> list[Mismatch]:
     """Raise AssertionError naming the worst mismatch if the parallel program differs
@@ -164,12 +181,15 @@ def assert_equivalent(
     exact value is zero or nearly so (a key bias's gradient under softmax), and
     what both programs compute for them is rounding noise.
 
-    `planning` goes to `parallelize` (strategy, memory_budget, hardware, plan…).
+    `planning` goes to `parallelize` (strategy, memory_budget, hardware, plan…);
+    `torch_optimizer` is the optimizer class both copies train with (``lr=lr``).
     `factory` is a module-level callable returning ``(model, example_inputs)``
     (or ``"path/to/file.py:name"``). It runs in the shared pool of as many
     ranks as the mesh has (started once per process).
     """
-    report = equivalence_report(factory, mesh_shape, steps=steps, lr=lr, **planning)
+    report = equivalence_report(
+        factory, mesh_shape, steps=steps, lr=lr, torch_optimizer=torch_optimizer, **planning
+    )
     largest: dict[tuple[str, int], float] = {}
     for m in report:
         largest[m.what, m.step] = max(largest.get((m.what, m.step), 0.0), m.scale)

@@ -13,7 +13,7 @@ program keeps the model's parameter names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -31,6 +31,8 @@ class Traced:
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
     aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
     transient: frozenset[str] = frozenset()  # FQNs not in the model's state_dict (non-persistent)
+    training: bool = True  # the mode a ParallelModule starts in (`autoshard.modes`)
+    refused_modes: dict[bool, str] = field(default_factory=dict)  # mode → why not
 
     @cached_property
     def nodes(self) -> dict[str, fx.Node]:

@@ -12,11 +12,14 @@ given their local shape arguments, or lowered to the implementation in
 
 from __future__ import annotations
 
+import warnings
+
 from torch import fx
 from torch.ops import aten
 
 from autoshard import ops
 from autoshard.mesh import Mesh
+from autoshard.modes import FOLLOWS_MODE
 from autoshard.plan import NodePlan, Plan
 
 
@@ -30,6 +33,11 @@ def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 def _dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    if node.meta.get(FOLLOWS_MODE):  # on in train mode only: read the program's flag
+        with node.graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns of get_attr on a plain attribute
+            training = node.graph.get_attr("training")
+        node.args = (node.args[0], node.args[1], training)
     node.target = ops.dropout
     node.kwargs = {"shape": placed.shape, "dims": placed.strategy.stored.dims}
 
@@ -40,6 +48,16 @@ def _mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     node.kwargs = {**node.kwargs, "scale": scale}
 
 
+_TO_LOCAL_SHAPE = (
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+)
+
+
 def _shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     """Views and expands name their output shape: give them the local one."""
     local = list(placed.strategy.stored.local_shape(placed.shape, mesh))
@@ -47,8 +65,9 @@ def _shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
         x, dim, sizes = node.args
         dim %= len(placed.shape) - len(sizes) + 1
         node.args = (x, dim, local[dim : dim + len(sizes)])
-    elif node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-        # a shard may not be laid out in memory as the global tensor was: reshape, not view
+    elif node.target in _TO_LOCAL_SHAPE:
+        # a shard may not be laid out in memory as the global tensor was: reshape, not
+        # view; and a squeeze would also drop a dim that is 1 only on this rank
         node.target = aten.reshape.default
         node.args = (node.args[0], local)
     elif node.target == aten.expand.default:

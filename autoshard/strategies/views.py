@@ -2,17 +2,16 @@
 shards stay contiguous, and gathered where they would not.
 
 A reshape maps groups of input dims onto groups of output dims of the same
-size. Within a group the shards form one nested list of axes (outer dims
-first); it survives onto the output dims as long as each axis divides what
-is left of the dim it lands on. Heads split out of a sharded feature dim
-stay sharded when the head count divides:
+size. Within a group each axis fixes one digit of the group's flat index;
+it stays sharded where an output dim can name that digit, and is gathered
+where the local reshape would interleave other ranks' elements
+(`reshape_layouts`). Heads split out of a sharded feature dim stay sharded
+when the head count divides:
 
     [B, S, H] S2(c)  --view-->  [B, S, heads, head_dim] S2(c)
 """
 
 from __future__ import annotations
-
-import math
 
 from torch.ops import aten
 
@@ -45,33 +44,53 @@ def _groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
 
 
 def reshape_layouts(x: Layout, in_shape, out_shape, mesh: Mesh) -> tuple[Layout, Layout]:
-    """(the input layout the reshape needs, the layout of its output) from `x`."""
-    need = [list(axes) if in_shape[d] != 1 else [] for d, axes in enumerate(x.dims)]
+    """(the input layout the reshape needs, the layout of its output) from `x`.
+
+    Within a group, a dim of size n split over axes (s1, s2, …) reads as the
+    digits [s1, s2, …, n / (s1·s2·…)] of its index, and the group's flat index
+    is its dims' digits in order: each axis fixes the digit at one place
+    value (stride) of that flat index, and every other digit is local. The
+    output dims cut the same flat index into their own digits; the local
+    reshape is exactly the output's shard when every axis fixes a digit
+    that an output dim can name: inside one output dim, as its outermost
+    digit or right below the axis placed there before. An axis that cannot
+    be placed is gathered first (the axes after it then read as the outer
+    ones of their dim). A sharded batch dim behind an unsharded one, as in
+    ``x.transpose(0, 1).reshape(T * B, E)``, is such an axis.
+    """
+    need: list[list[str]] = [[] for _ in in_shape]
     out: list[list[str]] = [[] for _ in out_shape]
     for gi, gj in _groups(in_shape, out_shape):
-        # The shards of a group read as one nested list while every dim before a
-        # sharded one is split down to a single element.
-        axes = []
+        in_stride, out_stride = _strides(in_shape, gi), _strides(out_shape, gj)
+        lowest: dict[int, int] = {}  # output dim → stride of the last axis placed in it
         for d in gi:
-            outer = gi[: gi.index(d)]
-            if axes and math.prod(in_shape[e] // mesh.count(need[e]) for e in outer) != 1:
-                need[d] = []
-            axes.extend(need[d])
-        placed = 0
-        remaining = {d: out_shape[d] for d in gj}
-        k = 0
-        for axis in axes:
-            while k < len(gj) and remaining[gj[k]] == 1:
-                k += 1
-            if k == len(gj) or remaining[gj[k]] % mesh.size(axis):
-                break
-            remaining[gj[k]] //= mesh.size(axis)
-            out[gj[k]].append(axis)
-            placed += 1
-        dropped = set(axes[placed:])
-        for d in gi:
-            need[d] = [a for a in need[d] if a not in dropped]
+            left = in_shape[d]  # the dim's size over the axes kept so far
+            for axis in x.dims[d]:
+                size = mesh.size(axis)
+                if size == 1:  # splits nothing: it may stay wherever it is
+                    need[d].append(axis)
+                    continue
+                if left % size:
+                    continue  # gathered: it does not divide what is left of its dim
+                stride = in_stride[d] * left // size
+                e = next(e for e in gj if out_stride[e] <= stride < out_stride[e] * out_shape[e])
+                top = out_stride[e] * out_shape[e] if e not in lowest else lowest[e]
+                if stride % out_stride[e] or stride * size != top:
+                    continue  # gathered: its digit is not one the output can name
+                need[d].append(axis)
+                out[e].append(axis)
+                lowest[e] = stride
+                left //= size
     return Layout(tuple(tuple(a) for a in need)), Layout(tuple(tuple(a) for a in out))
+
+
+def _strides(shape, group: list[int]) -> dict[int, int]:
+    """The place value of each dim of `group` in the group's flat index."""
+    strides, stride = {}, 1
+    for d in reversed(group):
+        strides[d] = stride
+        stride *= shape[d]
+    return strides
 
 
 @register(
@@ -92,7 +111,7 @@ def reshape(ctx: Context) -> list[Strategy]:
 
 @register(aten.transpose.int, aten.t.default, aten.permute.default)
 def permute(ctx: Context) -> list[Strategy]:
-    x = ctx.layout(0)
+    x = Layout(ctx.layout(0).dims)  # a pending sum is reduced first, as by every view
     nd = len(ctx.shape(0))
     if ctx.node.target == aten.permute.default:
         order = [d % nd for d in ctx.node.args[1]]

@@ -1,0 +1,139 @@
+"""Model factories for the view, input-gradient and mode tests: each returns
+(model, example_inputs). Rank processes load them by path, so they are
+module-level functions with no arguments."""
+
+import torch
+from torch import nn
+
+B, S, E, HEADS = 4, 8, 16, 4
+
+
+def _tokens(batch_first: bool, requires_grad: bool = False) -> torch.Tensor:
+    x = torch.randn((B, S, E) if batch_first else (S, B, E))
+    return x.requires_grad_(requires_grad)
+
+
+def _encoder(batch_first: bool) -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(E, HEADS, 2 * E, dropout=0.0, batch_first=batch_first)
+    return nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False)
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention on (x, x, x), returning the output and averaged weights."""
+
+    def __init__(self, batch_first: bool, dropout: float = 0.0):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(E, HEADS, dropout=dropout, batch_first=batch_first)
+
+    def forward(self, x):
+        return self.attention(x, x, x)
+
+
+class AttentionStack(nn.Module):
+    """torch's own attention modules as a user stacks them: a batch-first
+    TransformerEncoder, a sequence-first one, then batch-first and sequence-first
+    nn.MultiheadAttention (both outputs and weights returned)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batch_first = _encoder(True)
+        self.sequence_first = _encoder(False)
+        self.attention = SelfAttention(True)
+        self.attention_sequence_first = SelfAttention(False)
+
+    def forward(self, x):
+        h = self.batch_first(x)
+        h = self.sequence_first(h.transpose(0, 1)).transpose(0, 1)
+        out, weights = self.attention(h)
+        last, last_weights = self.attention_sequence_first(out.transpose(0, 1))
+        return last, weights, last_weights
+
+
+def attention_stack():
+    return AttentionStack(), (_tokens(True),)
+
+
+class TransposedLinear(nn.Module):
+    """The minimal form of the attention bug: x.transpose(0, 1).reshape(T * B, E) →
+    Linear → view → transpose."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(E, E)
+
+    def forward(self, x):
+        t = x.transpose(0, 1)
+        return self.proj(t.reshape(S * B, E)).view(S, B, E).transpose(0, 1)
+
+
+def transposed_linear():
+    return TransposedLinear(), (_tokens(True),)
+
+
+def transposed_linear_input_grad():
+    return TransposedLinear(), (_tokens(True, requires_grad=True),)
+
+
+class TwoInputs(nn.Module):
+    """Two inputs that require grad, one read by a linear and one added after it,
+    and an integer input that cannot."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(E, 2 * E)
+        self.fc2 = nn.Linear(2 * E, E)
+
+    def forward(self, x, skip, positions):
+        return self.fc2(torch.relu(self.fc1(x))) + skip * positions.unsqueeze(-1)
+
+
+def two_inputs_with_grad():
+    x, skip = _tokens(True, requires_grad=True), _tokens(True, requires_grad=True)
+    return TwoInputs(), (x, skip, torch.arange(S).repeat(B, 1))
+
+
+def attention_input_grad():
+    return SelfAttention(True), (_tokens(True, requires_grad=True),)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, p: float = 0.25):
+        super().__init__()
+        self.fc1 = nn.Linear(E, 2 * E)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(2 * E, E)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def dropout_mlp_train():
+    return DropoutMLP().train(), (_tokens(True),)
+
+
+def dropout_mlp_eval():
+    return DropoutMLP().eval(), (_tokens(True),)
+
+
+def dropout_attention_train():
+    return SelfAttention(True, dropout=0.25).train(), (_tokens(True),)
+
+
+def dropout_attention_eval():
+    return SelfAttention(True, dropout=0.25).eval(), (_tokens(True),)
+
+
+class NormalizedMLP(nn.Module):
+    """A batch norm: its train and eval graphs differ beyond dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(E, E)
+        self.norm = nn.BatchNorm1d(E)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def batch_norm_mlp():
+    return NormalizedMLP(), (torch.randn(B * S, E),)
