@@ -18,6 +18,7 @@ from torch.ops import aten
 from autoshard import ops
 from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
+from autoshard.strategies.conv import local_groups
 
 
 def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
@@ -55,6 +56,15 @@ def _shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
         node.args = (node.args[0], local, *node.args[2:])
 
 
+def _conv_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """A grouped convolution over split channels convolves only this rank's groups."""
+    x, weight, bias, stride, padding, dilation, groups = (list(node.args) + [None, 1, 0, 1, 1])[:7]
+    groups = node.kwargs.get("groups", groups)
+    local = local_groups(groups, placed.strategy.inputs[0], mesh)
+    node.args = (x, weight, bias, stride, padding, dilation, local)
+    node.kwargs = {}
+
+
 def _vocab_embedding(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     weight, ids = node.args[:2]
     node.target = ops.vocab_embedding
@@ -87,6 +97,7 @@ _LOWERINGS = {
     "shape": _shape,
     "vocab_embedding": _vocab_embedding,
     "cross_entropy": _cross_entropy,
+    "conv_groups": _conv_groups,
 }
 
 

@@ -133,6 +133,7 @@ def is_tensor(node: fx.Node) -> bool:
 
 from autoshard.strategies import (  # noqa: E402,F401  (each module registers its rules)
     attention,
+    conv,
     embedding,
     linear,
     loss,
