@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autoshard.canonical import canonicalize
 from autoshard.errors import TraceError
 
 
@@ -79,6 +80,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
             env[node] = attrs[fqn]
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+    canonicalize(graph)
     graph.lint()
     parameters = {
         fqn: state[fqn] if fqn in state else state[_first_in(aliases[fqn], state)] for fqn in attrs

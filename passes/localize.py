@@ -19,6 +19,7 @@ from autoshard import ops
 from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
 from autoshard.strategies.conv import local_groups
+from autoshard.strategies.inplace import out_of_place
 
 
 def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
@@ -65,6 +66,20 @@ def _conv_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     node.kwargs = {}
 
 
+def _out_of_place(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """An in-place op as its functional twin; the readers of its first operand that
+    come after it read its result instead, as they read the updated tensor before."""
+    updated = node.args[0]
+    later, after = [], node.next
+    while after.op != "root":
+        if updated in after.all_input_nodes:
+            later.append(after)
+        after = after.next
+    for user in later:
+        user.replace_input_with(updated, node)
+    node.target = out_of_place(node.target)
+
+
 def _vocab_embedding(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     weight, ids = node.args[:2]
     node.target = ops.vocab_embedding
@@ -98,6 +113,7 @@ _LOWERINGS = {
     "vocab_embedding": _vocab_embedding,
     "cross_entropy": _cross_entropy,
     "conv_groups": _conv_groups,
+    "out_of_place": _out_of_place,
 }
 
 

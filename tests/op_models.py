@@ -39,3 +39,75 @@ def conv2d():
 
 def conv1d():
     return Conv1d(), (torch.randn(8, 16, 12),)
+
+
+class TransposedWeights(nn.Module):
+    """Falcon's layers: ``x @ weight.T``, an in-place residual add, a constant made in
+    forward, and a reshape by example."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(32, hidden) / 4)
+        self.down = nn.Parameter(torch.randn(hidden, 32) / 4)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.up.T) @ self.down.T
+        h.add_(x * torch.tensor(0.5))
+        return h.reshape(-1, h.shape[-1]).reshape_as(x)
+
+
+class Elementwise(nn.Module):
+    """Tables and masks as rotary embeddings, relative positions and ALiBi build them."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.gate = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.proj(x)  # [B, S, H]
+        g = self.gate(x)
+        pair = torch.stack([h, g], dim=-1).flatten(-2)  # [B, S, 2H]
+        twice = torch.repeat_interleave(h, 2, dim=-1)  # [B, S, 2H]
+        tiled = g.repeat(1, 1, 2)  # [B, S, 2H]
+        mixed = pair * twice + torch.roll(tiled, shifts=1, dims=1)
+        mixed = torch.where(mixed > 0, mixed, -1.0)
+        mixed = torch.min(mixed, torch.full_like(mixed, 2.0))
+        powered = torch.pow(torch.sigmoid(h) + 1, torch.sigmoid(g))
+        soft = torch.nn.functional.softplus(g, beta=2.0, threshold=1.0)
+        best = torch.argmax(mixed, dim=-1, keepdim=True)
+        picked = torch.gather(mixed, -1, best)
+        return mixed.sum(-1, keepdim=True) + torch.multiply(powered, soft) + picked
+
+
+class Alibi(nn.Module):
+    """Bloom's scores: ``baddbmm(alibi, q, kᵀ, beta=1, alpha=1/√d)``, then a softmax."""
+
+    def __init__(self, hidden=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2).reshape(b * self.heads, s, -1) for t in (q, k, v))
+        slopes = torch.arange(1, b * self.heads + 1, dtype=x.dtype).view(-1, 1, 1) / 8
+        alibi = slopes * torch.arange(s, dtype=x.dtype).view(1, 1, s)
+        scores = torch.baddbmm(alibi, q, k.transpose(1, 2), beta=0.5, alpha=0.25)
+        attn = torch.softmax(scores, dim=-1) @ v  # [B·heads, S, d]
+        attn = attn.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, h)
+        return self.out(attn)
+
+
+def transposed_weights():
+    return TransposedWeights(), (torch.randn(8, 4, 16),)
+
+
+def elementwise():
+    return Elementwise(), (torch.randn(8, 4, 16),)
+
+
+def alibi():
+    return Alibi(), (torch.randn(8, 4, 16),)

@@ -132,14 +132,21 @@ def is_tensor(node: fx.Node) -> bool:
 
 
 from autoshard.strategies import (  # noqa: E402,F401  (each module registers its rules)
+    argmax,
     attention,
+    baddbmm,
     conv,
+    elementwise,
     embedding,
+    inplace,
     linear,
     loss,
     norm,
     pointwise,
     reduction,
+    repeat,
     replicated,
+    roll,
+    stack,
     views,
 )

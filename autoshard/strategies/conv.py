@@ -49,18 +49,38 @@ def convolution(ctx: Context) -> list[Strategy]:
     if ctx.family == "replicated":
         return replicated_fallback(ctx)
     groups = _groups(ctx)
-    candidates = _grouped(ctx, groups) if groups > 1 else _dense(ctx)
     shapes = tuple(ctx.shape(i) for i in range(len(ctx.inputs)))
-    return _valid(shapes, ctx.out_shape, ctx.mesh, candidates)
+    if groups > 1:
+        attempts = [_grouped(ctx, groups)]
+    else:
+        # Few input channels (an image's 3) take no K split: that axis splits the batch
+        # too, or else the output channels.
+        roles = _roles(ctx.family, ctx.mesh)
+        attempts = [
+            _dense(ctx, roles),
+            _dense(ctx, [(m + k, (), n) for m, k, n in roles]),
+            _dense(ctx, [(m, (), n + k) for m, k, n in roles]),
+        ]
+    for candidates in attempts:
+        valid = _valid(shapes, ctx.out_shape, ctx.mesh, candidates)
+        if valid:
+            return valid
+    warnings.warn(
+        f"{ctx.node.target} ({ctx.node.name}): no split of {shapes} divides on mesh "
+        f"{ctx.mesh}: it runs replicated",
+        stacklevel=2,
+    )
+    return replicated_fallback(ctx)
 
 
-def _dense(ctx: Context) -> list[Strategy]:
-    """The 3D candidates of a linear, with channels at dim 1 and the batch at dim 0."""
+def _dense(ctx: Context, roles) -> list[Strategy]:
+    """The 3D candidates of a linear, with channels at dim 1 and the batch at dim 0, for
+    each (M, K, N) assignment of mesh axes in `roles`."""
     nd, mesh = len(ctx.shape(0)), ctx.mesh
     bias = 2 if len(ctx.inputs) == 3 else None
     allreduce = ctx.family.endswith("allreduce")
     candidates = []
-    for m, k, n in _roles(ctx.family, mesh):
+    for m, k, n in roles:
         x_in = _layout(nd, [(0, m), (1, k)])
         w_in = _layout(nd, [(0, n), (1, k)])
         out = _layout(nd, [(0, m), (1, n)], partial=k)

@@ -1,0 +1,20 @@
+"""`roll` (Swin's shifted windows): a rolled dim is whole on every rank, the others
+keep their shards; with no dims the flattened tensor rolls, so nothing is split."""
+
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies import Context, Strategy, make, register
+
+
+@register(aten.roll.default)
+def roll(ctx: Context) -> list[Strategy]:
+    x = ctx.layout(0)
+    nd = len(x.dims)
+    args = ctx.node.args
+    dims = args[2] if len(args) > 2 else ctx.node.kwargs.get("dims", [])
+    rolled = {d % nd for d in dims} if dims else set(range(nd))
+    x = Layout(tuple(() if d in rolled else axes for d, axes in enumerate(x.dims)))
+    return [make("follow", [x], x)]
