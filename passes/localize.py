@@ -20,11 +20,13 @@ from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
 from autoshard.strategies.conv import local_groups
 from autoshard.strategies.inplace import out_of_place
+from autoshard.trace import argument
 
 
 def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    x, normalized_shape, weight, bias, eps = (list(node.args) + [None, None, 1e-5])[:5]
-    k = len(normalized_shape)
+    x = node.args[0]
+    weight, bias, eps = (argument(node, name) for name in ("weight", "bias", "eps"))
+    k = len(argument(node, "normalized_shape"))
     axes = tuple(a for dim in placed.strategy.inputs[0].dims[-k:] for a in dim)
     node.target = ops.layer_norm
     node.args = (x, weight, bias, eps)
@@ -82,16 +84,19 @@ def _out_of_place(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 def _vocab_embedding(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     weight, ids = node.args[:2]
+    padding_idx = argument(node, "padding_idx")
     node.target = ops.vocab_embedding
     node.args = (weight, ids)
     node.kwargs = {
         "vocab_size": weight.meta["val"].shape[0],
         "vocab_axes": placed.strategy.inputs[0].dims[0],
+        "padding_idx": padding_idx,
     }
 
 
 def _cross_entropy(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    logits, target, _weight, reduction, ignore_index = (list(node.args) + [None, 1, -100])[:5]
+    logits, target = node.args[:2]
+    reduction, ignore_index = argument(node, "reduction"), argument(node, "ignore_index")
     tokens, vocab = placed.strategy.inputs[0].dims
     node.target = ops.cross_entropy
     node.args = (logits, target)

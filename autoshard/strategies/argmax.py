@@ -7,18 +7,18 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies import Context, Strategy, make, register
+from autoshard.trace import argument
 
 
 @register(aten.argmax.default, aten.argmin.default)
 def argmax(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(x.dims)
-    args = dict(zip(("self", "dim", "keepdim"), ctx.node.args))
-    args.update(ctx.node.kwargs)
-    if args.get("dim") is None:
+    dim = argument(ctx.node, "dim")
+    if dim is None:
         rep = Layout.replicated
         return [make("follow", [rep(nd)], rep(len(ctx.out_shape)))]
-    dim = args["dim"] % nd
+    dim %= nd
     x = Layout(tuple(() if d == dim else axes for d, axes in enumerate(x.dims)))
-    out = x if args.get("keepdim", False) else Layout(x.dims[:dim] + x.dims[dim + 1 :])
+    out = x if argument(ctx.node, "keepdim") else Layout(x.dims[:dim] + x.dims[dim + 1 :])
     return [make("follow", [x], out)]

@@ -20,35 +20,33 @@ value of them is exact. An input without a batch dim is not claimed.
 
 from __future__ import annotations
 
-import warnings
 from itertools import product
 
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import (
+    Context,
+    Strategy,
+    Unclaimed,
+    make,
+    register,
+    replicated_fallback,
+)
 from autoshard.strategies.linear import _layout, _roles, _valid
+from autoshard.trace import argument
 
 CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
-
-
-def _groups(ctx: Context) -> int:
-    args = ctx.node.args
-    return args[6] if len(args) > 6 else ctx.node.kwargs.get("groups", 1)
 
 
 @register(*CONVOLUTIONS)
 def convolution(ctx: Context) -> list[Strategy]:
     x_nd, w_nd = len(ctx.shape(0)), len(ctx.shape(1))
-    if x_nd != w_nd:  # an unbatched input [C, *space]
-        warnings.warn(
-            f"{ctx.node.target} ({ctx.node.name}): input without a batch dim: it runs replicated",
-            stacklevel=2,
-        )
-        return replicated_fallback(ctx)
+    if x_nd != w_nd:
+        raise Unclaimed(f"an input without a batch dim {ctx.shape(0)}")
     if ctx.family == "replicated":
         return replicated_fallback(ctx)
-    groups = _groups(ctx)
+    groups = argument(ctx.node, "groups")
     shapes = tuple(ctx.shape(i) for i in range(len(ctx.inputs)))
     if groups > 1:
         attempts = [_grouped(ctx, groups)]
@@ -65,12 +63,7 @@ def convolution(ctx: Context) -> list[Strategy]:
         valid = _valid(shapes, ctx.out_shape, ctx.mesh, candidates)
         if valid:
             return valid
-    warnings.warn(
-        f"{ctx.node.target} ({ctx.node.name}): no split of {shapes} divides on mesh "
-        f"{ctx.mesh}: it runs replicated",
-        stacklevel=2,
-    )
-    return replicated_fallback(ctx)
+    raise Unclaimed(f"no split of {shapes} divides on mesh {ctx.mesh}")
 
 
 def _dense(ctx: Context, roles) -> list[Strategy]:

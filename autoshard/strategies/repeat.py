@@ -8,12 +8,11 @@ of the tiles. Other dims keep their shards.
 
 from __future__ import annotations
 
-import warnings
-
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import Context, Strategy, Unclaimed, make, register
+from autoshard.trace import argument
 
 
 @register(aten.repeat.default)
@@ -27,15 +26,11 @@ def repeat(ctx: Context) -> list[Strategy]:
 
 @register(aten.repeat_interleave.self_int)
 def repeat_interleave(ctx: Context) -> list[Strategy]:
-    args = dict(zip(("self", "repeats", "dim", "output_size"), ctx.node.args))
-    args.update(ctx.node.kwargs)
-    if args.get("dim") is None:  # repeats the flattened tensor
-        warnings.warn(
-            f"{ctx.node.target} ({ctx.node.name}) without dim: it runs replicated", stacklevel=2
-        )
-        return replicated_fallback(ctx)
+    dim = argument(ctx.node, "dim")
+    if dim is None:
+        raise Unclaimed("dim=None (repeats the flattened tensor)")
     x = ctx.layout(0)
-    if args.get("output_size") is not None:  # a global size: keep the dim whole
-        dim = args["dim"] % len(x.dims)
+    if argument(ctx.node, "output_size") is not None:  # a global size: keep the dim whole
+        dim %= len(x.dims)
         x = Layout(tuple(() if d == dim else axes for d, axes in enumerate(x.dims)))
     return [make("follow", [x], x)]

@@ -7,14 +7,14 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies import Context, Strategy, make, register
+from autoshard.trace import argument
 
 
 @register(aten.roll.default)
 def roll(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(x.dims)
-    args = ctx.node.args
-    dims = args[2] if len(args) > 2 else ctx.node.kwargs.get("dims", [])
+    dims = argument(ctx.node, "dims")
     rolled = {d % nd for d in dims} if dims else set(range(nd))
     x = Layout(tuple(() if d in rolled else axes for d, axes in enumerate(x.dims)))
     return [make("follow", [x], x)]

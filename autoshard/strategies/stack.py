@@ -7,13 +7,13 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies import Context, Strategy, make, register
+from autoshard.trace import argument
 
 
 @register(aten.stack.default)
 def stack(ctx: Context) -> list[Strategy]:
     nd = len(ctx.shape(0))
-    args = ctx.node.args
-    dim = (args[1] if len(args) > 1 else ctx.node.kwargs.get("dim", 0)) % (nd + 1)
+    dim = argument(ctx.node, "dim") % (nd + 1)
     x = ctx.layout(0)
     out = Layout(x.dims[:dim] + ((),) + x.dims[dim:])
     return [make("follow", [x] * len(ctx.inputs), out)]
