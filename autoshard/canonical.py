@@ -8,7 +8,11 @@ rule would see as a layer. It is ``aten.linear(x, weight)``, exactly:
     numpy_t = aten.numpy_T(weight)            linear = aten.linear(x, weight)
     matmul = aten.matmul(x, numpy_t)
 
-and RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
+Mixture-of-experts layers multiply by a transposed expert parameter
+(``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
+`autoshard.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
+
+RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
 """
 
@@ -16,6 +20,8 @@ from __future__ import annotations
 
 from torch import fx
 from torch.ops import aten
+
+from autoshard.experts import GROUPED_MM, grouped_mm_nt
 
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _PRODUCTS = (aten.matmul.default, aten.mm.default)
@@ -36,7 +42,27 @@ def _transposed_weight(node: fx.Node) -> fx.Node | None:
 def canonicalize(graph: fx.Graph) -> None:
     """Every rewrite of this module, in place."""
     fold_transposed_weights(graph)
+    fold_transposed_experts(graph)
     reshape_by_shape(graph)
+
+
+def fold_transposed_experts(graph: fx.Graph) -> None:
+    """``grouped_mm_fallback(x, weight.transpose(1, 2), offs)`` → ``grouped_mm_nt(x, weight,
+    offs)`` for every 3-D parameter, in place."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) != GROUPED_MM or node.kwargs:
+            continue
+        x, transposed, offs = node.args
+        if transposed.op != "call_function" or transposed.target != aten.transpose.int:
+            continue
+        weight, *dims = transposed.args
+        if weight.op != "get_attr" or weight.meta["val"].dim() != 3:
+            continue
+        if sorted(d % 3 for d in dims) != [1, 2]:
+            continue
+        node.target, node.args = grouped_mm_nt, (x, weight, offs)
+        if not transposed.users:
+            graph.erase_node(transposed)
 
 
 def reshape_by_shape(graph: fx.Graph) -> None:

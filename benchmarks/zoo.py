@@ -29,7 +29,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 
 import hf_zoo  # noqa: E402
-import zoo  # noqa: E402
+import zoo_plans as zoo  # noqa: E402
 
 from autoshard.cost import node_costs  # noqa: E402
 from autoshard.hardware import Hardware  # noqa: E402
@@ -54,15 +54,17 @@ def parameter_share(traced, plan, model) -> float:
 
 
 def saved_bytes(traced, plan) -> int:
+    """What every node saves for backward, with the values kept as stored counted once."""
     costs = node_costs(traced, plan, Hardware.load(zoo.HARDWARE))
-    return sum(c.saved_bytes for c in costs.values())
+    shared = {value: n for c in costs.values() for value, n in c.shared.items()}
+    return sum(c.saved_bytes for c in costs.values()) + sum(shared.values())
 
 
 def replicated_ops(plan) -> str:
     ops = Counter()
     for message in plan.warnings:
-        found = re.search(r"(?:no rule for |the rule for )(\S+)", message)
-        ops[found.group(1) if found else message[:40]] += 1
+        found = re.search(r"(?:aten|transformers)\.\w+\.\w+", message)
+        ops[found.group(0) if found else message[:40]] += 1
     return ", ".join(f"{op.removeprefix('aten.')} ×{n}" for op, n in sorted(ops.items()))
 
 
@@ -102,7 +104,9 @@ def main() -> None:
             shares.append(float(cells[2]))
     console = Console(width=160)
     console.print(table)
-    console.print(f"mean parameter share over {len(shares)} models: {sum(shares) / len(shares):.3f}")
+    console.print(
+        f"mean parameter share over {len(shares)} models: {sum(shares) / len(shares):.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -111,3 +111,24 @@ def elementwise():
 
 def alibi():
     return Alibi(), (torch.randn(8, 4, 16),)
+
+
+class Experts(nn.Module):
+    """Hugging Face's expert MLP: tokens sorted by expert through two grouped products."""
+
+    def __init__(self, experts=4, hidden=16, inner=32):
+        super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers grouped_mm_fallback)
+
+        self.up = nn.Parameter(torch.randn(experts, inner, hidden) / 4)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inner) / 4)
+        self.register_buffer("offs", torch.tensor([5, 5, 12, 16]))  # expert 1 gets no token
+
+    def forward(self, x):
+        grouped = torch.ops.transformers.grouped_mm_fallback
+        h = torch.nn.functional.silu(grouped(x, self.up.transpose(1, 2), self.offs))
+        return grouped(h, self.down.transpose(1, 2), self.offs)
+
+
+def experts():
+    return Experts(), (torch.randn(16, 16),)

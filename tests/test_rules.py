@@ -1,6 +1,6 @@
 """The rules the zoo needs (convolutions, in-place ops, stack, repeats, roll, argmax,
-baddbmm, more pointwise ops) shard their op and match the serial model, values and
-gradients, on real gloo ranks."""
+baddbmm, experts' grouped products, more pointwise ops) shard their op and match the
+serial model, values and gradients, on real gloo ranks."""
 
 import warnings
 from pathlib import Path
@@ -33,6 +33,10 @@ SHARDED = {
         "multiply": "aten.multiply.Tensor",
     },
     "alibi": {"baddbmm": "aten.baddbmm.default"},
+    "experts": {
+        "grouped_mm_fallback": "autoshard.grouped_mm_nt.default",
+        "grouped_mm_fallback_1": "autoshard.grouped_mm_nt.default",
+    },
 }
 
 

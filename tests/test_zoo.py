@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import hf_zoo  # noqa: E402
-import zoo  # noqa: E402
+import zoo_plans as zoo  # noqa: E402
 
 from autoshard import errors  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402

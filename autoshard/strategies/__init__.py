@@ -165,6 +165,7 @@ from autoshard.strategies import (  # noqa: E402,F401  (each module registers it
     conv,
     elementwise,
     embedding,
+    experts,
     inplace,
     linear,
     loss,
