@@ -508,6 +508,13 @@ MODELS = [name for family in ZOO.values() for name in family]
 
 # Models autoshard refuses, with the documented error it raises and why.
 EXPECTED_ERRORS: dict[str, tuple[str, str]] = {}
+# Models `assert_equivalent` cannot check, and why (the parallel program is not at fault).
+UNCHECKABLE = {
+    name: "the float64 serial reference fails: on CPU, transformers sends float64 experts "
+    "through torch._grouped_mm, which has no float64 kernel (the traced program uses "
+    "grouped_mm_fallback)"
+    for name in ZOO["mixture-of-experts"]
+}
 
 
 def __getattr__(name: str):

@@ -6,7 +6,8 @@ solved tight budget on 2×2×2 for one SGD step; `make zoo` (``pytest -m zoo``)
 runs every model in the full matrix: every strategy, 1×2×4 too, bf16, three
 steps. Plans are made once here
 (`zoo.plan_model`) and applied by every rank. A model autoshard refuses must
-raise the documented error listed in `hf_zoo.EXPECTED_ERRORS`.
+raise the documented error listed in `hf_zoo.EXPECTED_ERRORS`; the models the
+check itself cannot run (`hf_zoo.UNCHECKABLE`) are strict expected failures.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hf_zoo  # noqa: E402
 import zoo_plans as zoo  # noqa: E402
 
 from autoshard import errors  # noqa: E402
+from autoshard.ranks import RankError  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402
 
 FAST = [("3d", (2, 2, 2)), ("budget", (2, 2, 2))]
@@ -33,6 +35,22 @@ FULL = [
 ]
 
 
+def _models(names: list[str]) -> list:
+    """`names` as parameters, the ones `assert_equivalent` cannot check marked so."""
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                name in hf_zoo.UNCHECKABLE,
+                reason=hf_zoo.UNCHECKABLE.get(name, ""),
+                raises=RankError,
+                strict=True,
+            ),
+        )
+        for name in names
+    ]
+
+
 def _check(name: str, setting: str, mesh, *, steps: int, **tolerance) -> None:
     expected = hf_zoo.EXPECTED_ERRORS.get(name.removesuffix("_bf16"))
     if expected is not None:
@@ -44,20 +62,20 @@ def _check(name: str, setting: str, mesh, *, steps: int, **tolerance) -> None:
 
 
 @pytest.mark.parametrize(("setting", "mesh"), FAST, ids=str)
-@pytest.mark.parametrize("name", FAST_MODELS)
+@pytest.mark.parametrize("name", _models(FAST_MODELS))
 def test_zoo(name, setting, mesh):
     _check(name, setting, mesh, steps=1)
 
 
 @pytest.mark.zoo
 @pytest.mark.parametrize(("setting", "mesh"), FULL, ids=str)
-@pytest.mark.parametrize("name", hf_zoo.MODELS)
+@pytest.mark.parametrize("name", _models(hf_zoo.MODELS))
 def test_zoo_full(name, setting, mesh):
     _check(name, setting, mesh, steps=3)
 
 
 @pytest.mark.zoo
-@pytest.mark.parametrize("name", hf_zoo.MODELS)
+@pytest.mark.parametrize("name", _models(hf_zoo.MODELS))
 def test_zoo_bf16(name):
     # bf16 rounds at every op, and the parallel program sums in another order.
     _check(f"{name}_bf16", "3d", (2, 2, 2), steps=3, rtol=3e-2)
