@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 PYTHON := $(shell command -v python3.11 2>/dev/null || command -v python3)
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test zoo lint demo bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install '$(TORCH)'
 	$(PIP) install -e '.[test,hf]'
 	touch $@
+
+zoo: install
+	$(PY) -m pytest -m zoo tests/test_zoo.py
 
 lint: install
 	$(VENV)/bin/ruff check .

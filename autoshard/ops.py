@@ -105,13 +105,18 @@ def _chunk_start(size: int, axes: tuple[str, ...]) -> tuple[int, int]:
     return index * length, length
 
 
-def vocab_embedding(weight, ids, *args, vocab_size: int, vocab_axes: tuple[str, ...]):
+def vocab_embedding(
+    weight, ids, *, vocab_size: int, vocab_axes: tuple[str, ...], padding_idx: int = -1
+):
     """Look up the ids in this rank's rows of the table; zeros for ids held elsewhere.
-    The result is this rank's share of a sum over `vocab_axes`."""
+    The result is this rank's share of a sum over `vocab_axes`. Global row
+    `padding_idx` (negative: none) gets no gradient: on the rank that holds it, it
+    is the local padding row; ids held elsewhere read local row 0, masked to zero."""
     start, length = _chunk_start(vocab_size, vocab_axes)
     local = ids - start
     held = (local >= 0) & (local < length)
-    rows = torch.nn.functional.embedding(local * held, weight)
+    local_padding = padding_idx - start if 0 <= padding_idx - start < length else -1
+    rows = torch.ops.aten.embedding.default(weight, local * held, local_padding)
     return rows * held.unsqueeze(-1).to(rows.dtype)
 
 

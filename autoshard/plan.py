@@ -189,7 +189,9 @@ def plan_to_dict(plan: Plan) -> dict:
     return {
         "mesh": {"names": plan.mesh.names, "sizes": plan.mesh.sizes},
         "nodes": [_node_dict(n) for n in plan.nodes.values()],
-        "storage": {k: _layout_dict(v) for k, v in plan.storage.items()},
+        # by name: a model may meet its buffers in an order that differs between
+        # processes (iterating a set), and every rank must hash the same text
+        "storage": {k: _layout_dict(v) for k, v in sorted(plan.storage.items())},
         "entry_steps": {k: [asdict(s) for s in v] for k, v in plan.entry_steps.items()},
         "output_steps": [[asdict(s) for s in steps] for steps in plan.output_steps],
         "warnings": plan.warnings,

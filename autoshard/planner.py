@@ -36,6 +36,7 @@ from autoshard.strategies import (
     FAMILIES,
     Context,
     Strategy,
+    Unclaimed,
     is_tensor,
     replicated_fallback,
     rule_for,
@@ -185,15 +186,10 @@ def plan_graph(
                     )
                     layouts[i] = pretend
             ctx = Context(node, planning, operands, layouts, family)
-            rule = rule_for(node.target)
-            candidates = rule(ctx) if rule else []
-            if not candidates:
-                if rule is not None:
-                    raise ShapeError(_no_fit_message(ctx, node, mesh))
-                message = f"no rule for {node.target} ({_describe(node)}): it runs replicated"
+            candidates, message = _candidates(ctx, mesh)
+            if message:
                 warnings.warn(message, stacklevel=3)
                 notes.append(message)
-                candidates = replicated_fallback(ctx)
             own = (knobs or {}).get(node.name, Knobs())
             nodes[node.name] = _place(
                 node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
@@ -234,13 +230,43 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
     needs_grad = dict(zip(inputs, placed.input_needs_grad))
     ctx = Context(node, plan.mesh, inputs, [stored.get(n) for n in inputs], placed.strategy.family)
     storage: dict[str, Layout] = {}
-    candidates = rule_for(node.target)(ctx)
+    candidates, _ = _candidates(ctx, plan.mesh)
     again = _place(
         node, ctx, candidates, stored, needs_grad, storage, plan.mesh, knobs, placed.strategy
     )
     return dataclasses.replace(
         plan, nodes={**plan.nodes, name: again}, storage={**plan.storage, **storage}
     )
+
+
+def _candidates(ctx: Context, mesh: Mesh) -> tuple[list[Strategy], str | None]:
+    """The node's candidates, and the warning to give when it runs replicated because
+    its op has no rule, its rule does not claim this call, or no layout divides."""
+    node = ctx.node
+    rule = rule_for(node.target)
+    if rule is None:
+        message = f"no rule for {node.target} ({_describe(node)}): it runs replicated"
+        return replicated_fallback(ctx), message
+    try:
+        candidates = rule(ctx)
+    except Unclaimed as reason:
+        message = (
+            f"{_describe(node)}: the rule for {node.target} does not handle {reason}: "
+            "it runs replicated"
+        )
+        fallback = [
+            dataclasses.replace(c, detail=f"not {reason}") for c in replicated_fallback(ctx)
+        ]
+        return fallback, message
+    if candidates:
+        return candidates, None
+    # Kept under the asked family, so that a plan assembled from the solver's fixed
+    # strategies asks the rule again and gives the warning again.
+    fallback = [
+        dataclasses.replace(c, family=ctx.family, detail="no layout divides")
+        for c in replicated_fallback(ctx)
+    ]
+    return fallback, _no_fit_message(ctx, node, mesh)
 
 
 def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]:
@@ -350,7 +376,8 @@ def _no_fit_message(ctx: Context, node: fx.Node, mesh: Mesh) -> str:
     shapes = ", ".join(f"{n.name}{list(_shape(n))}" for n in ctx.inputs)
     return (
         f"{_describe(node)}: no {ctx.family!r} layout on mesh {mesh} divides its tensors "
-        f"({shapes}); {_ADVICE}"
+        f"({shapes}), so it runs replicated; to shard it, use sizes divisible by the mesh "
+        "axes that shard them or another mesh shape"
     )
 
 

@@ -7,13 +7,15 @@
 
     assert_equivalent(mlp, (2, 2, 2), strategy="3d")
 
-Every rank of a real gloo mesh builds the model from the factory (same
-seed), runs the serial copy and the parallel program side by side for
-`steps` optimizer steps (`torch_optimizer`, SGD by default), and compares the
-outputs, every parameter gradient (gathered with `full_grads`), the gradient
-of every example input that requires grad, and the parameters after the steps. The loss
-is a fixed random weighting of the outputs, so every output element
-matters. Dropout draws the same masks in both (same seed before each step).
+The model is planned once, here; every rank of a real gloo mesh builds it
+from the factory (same seed), runs the serial copy, a float64 copy and the
+parallel program side by side for `steps` optimizer steps (`torch_optimizer`,
+SGD by default), and compares the outputs, every parameter gradient (gathered
+with `full_grads`), the gradient of every example input that requires grad,
+and the parameters after the steps: the parallel program's error against the
+float64 copy must be of the size of the serial program's own. The loss is
+a fixed random weighting of the outputs, so every output element matters.
+Dropout draws the same masks in all three (same seed before each step).
 
 `measure_memory` measures what one process's training step holds in
 activations (saved for backward, and the peak), to compare with the plan's
@@ -23,6 +25,7 @@ prediction.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import math
 import weakref
@@ -36,28 +39,45 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.api import parallelize
+from autoshard.api import plan as autoshard_plan
+from autoshard.plan import Plan
 from autoshard.ranks import shared_pool
 
-NEGLIGIBLE = 1e-3
+# A parallel tensor fails when its error against the float64 serial reference exceeds
+# ERROR_FACTOR times the fp32 serial program's own error, plus the rounding floor (see
+# assert_equivalent): a parallel program sums in another order (a contraction split over
+# ranks), which rounds differently but no worse in kind; a wrong value is off by far more.
+ERROR_FACTOR = 10.0
 
 
 @dataclass(frozen=True)
 class Mismatch:
+    """One comparison: parallel against the serial program (`max_abs`) and both against
+    the float64 serial reference (`error`, `serial_error`; NaN where there is none)."""
+
     what: str  # output | grad | param
     name: str
     step: int
-    max_abs: float
+    max_abs: float  # max |parallel - serial|
     scale: float  # max |serial|
     rank: int = 0
+    error: float = math.nan  # max |parallel - float64 reference|
+    serial_error: float = math.nan  # max |serial - float64 reference|
+    eps: float = 0.0  # the machine epsilon of the tensor's dtype (0 for integers)
 
     @property
     def rel(self) -> float:
         return self.max_abs / self.scale if self.scale else self.max_abs
 
     def __str__(self) -> str:
+        exact = (
+            f"; against float64: parallel {self.error:.3e}, serial {self.serial_error:.3e}"
+            if not math.isnan(self.error)
+            else ""
+        )
         return (
             f"{self.what} '{self.name}' at step {self.step} on rank {self.rank}: "
-            f"max abs error {self.max_abs:.3e}, largest value {self.scale:.3e}"
+            f"max abs error {self.max_abs:.3e}, largest value {self.scale:.3e}{exact}"
         )
 
 
@@ -74,30 +94,57 @@ def load_factory(spec: str):
     return getattr(module, name)
 
 
-def _compare(what: str, name: str, step: int, got, want) -> Mismatch:
+def _dense(t):
+    return t.to_dense() if isinstance(t, torch.Tensor) and t.is_sparse else t
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def _compare(what: str, name: str, step: int, got, want, exact=None) -> Mismatch:
+    """`got` (parallel) against `want` (serial fp32) and both against `exact` (the
+    float64 reference, or None)."""
+    got, want, exact = _dense(got), _dense(want), _dense(exact)
     if got is None or want is None:
         missing = math.inf if (got is None) != (want is None) else 0.0
-        return Mismatch(what, name, step, missing, 1.0)
+        return Mismatch(what, name, step, missing, 1.0, error=missing, serial_error=0.0)
     if got.shape != want.shape:
         shapes = f"{name} (shape {tuple(got.shape)} ≠ {tuple(want.shape)})"
-        return Mismatch(what, shapes, step, math.inf, 1.0)
+        return Mismatch(what, shapes, step, math.inf, 1.0, error=math.inf, serial_error=0.0)
     if not got.numel():
         return Mismatch(what, name, step, 0.0, 0.0)
-    err = (got.detach().double() - want.detach().double()).abs().max().item()
-    return Mismatch(what, name, step, err, want.detach().double().abs().max().item())
+    eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
+    found = Mismatch(
+        what, name, step, _max_abs(got, want), want.detach().double().abs().max().item()
+    )
+    if exact is None or exact.shape != want.shape:
+        return dataclasses.replace(found, eps=eps)
+    return dataclasses.replace(
+        found, error=_max_abs(got, exact), serial_error=_max_abs(want, exact), eps=eps
+    )
+
+
+def _leaves(outputs) -> list:
+    return [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor)]
 
 
 def _loss(outputs) -> torch.Tensor:
-    leaves = [
-        t
-        for t in pytree.tree_leaves(outputs)
-        if isinstance(t, torch.Tensor) and t.is_floating_point()
-    ]
+    leaves = [t for t in _leaves(outputs) if t.is_floating_point()]
     generator = torch.Generator().manual_seed(1234)
     total = 0
-    for t in leaves:
-        total = total + (t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum()
+    for t in leaves:  # weights drawn in fp32 whatever the dtype: the same for every program
+        weights = torch.randn(t.shape, generator=generator).to(t.dtype)
+        total = total + (t * weights).sum()
     return total
+
+
+def _float64(model: torch.nn.Module, inputs: tuple):
+    """A float64 copy of `model` and of its floating inputs: the serial reference the
+    fp32 programs' rounding is measured against."""
+    reference = copy.deepcopy(model).double()
+    as_double = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    return reference, as_double
 
 
 def _equivalence_job(
@@ -108,35 +155,58 @@ def _equivalence_job(
     torch.manual_seed(0)
     model, inputs = factory()
     serial = copy.deepcopy(model)
-    serial_inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    reference, reference_inputs = _float64(model, inputs)
+    serial_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+    reference_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in reference_inputs)
+    if isinstance(planning.get("plan"), str):  # planned once, in the parent
+        planning = {**planning, "plan": Plan.from_json(planning["plan"])}
     parallel = parallelize(model, mesh, inputs, **planning)
-    serial_opt = torch_optimizer(serial.parameters(), lr=lr)
-    parallel_opt = torch_optimizer(parallel.parameters(), lr=lr)
+    programs = ((serial, serial_inputs), (reference, reference_inputs), (parallel, inputs))
+    optimizers = [torch_optimizer(m.parameters(), lr=lr) for m, _ in programs]
     found: list[Mismatch] = []
     for step in range(steps):
-        torch.manual_seed(100 + step)
-        want = serial(*serial_inputs)
-        torch.manual_seed(100 + step)
-        got = parallel(*inputs)
-        for i, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want))):
-            found.append(_compare("output", str(i), step, g, w))
-        _loss(want).backward()
-        _loss(got).backward()
+        results = []
+        for program, args in programs:
+            torch.manual_seed(100 + step)  # the same dropout masks in every program
+            results.append(program(*args))
+        want, exact, got = (_leaves(r) for r in results)
+        if len(got) != len(want):
+            count = f"count (parallel {len(got)}, serial {len(want)})"
+            found.append(Mismatch("output", count, step, math.inf, 1.0, error=math.inf))
+        for i, (g, w, e) in enumerate(zip(got, want, exact)):
+            found.append(_compare("output", str(i), step, g, w, e))
+        for result in results:
+            _loss(result).backward()
         grads = parallel.full_grads()
+        exact_params = dict(reference.named_parameters())
         for name, param in serial.named_parameters():
-            found.append(_compare("grad", name, step, grads.get(name), param.grad))
-        for i, (t, reference) in enumerate(zip(inputs, serial_inputs)):
-            if reference.requires_grad:
-                found.append(_compare("grad", f"input {i}", step, t.grad, reference.grad))
-                t.grad = reference.grad = None
-        serial_opt.step()
-        parallel_opt.step()
-        serial_opt.zero_grad()
-        parallel_opt.zero_grad()
-    full = parallel.full_state_dict()
+            found.append(
+                _compare("grad", name, step, grads.get(name), param.grad, exact_params[name].grad)
+            )
+        for i, (t, want_in, exact_in) in enumerate(zip(inputs, serial_inputs, reference_inputs)):
+            if want_in.requires_grad:
+                name = f"input {i}"
+                found.append(_compare("grad", name, step, t.grad, want_in.grad, exact_in.grad))
+                t.grad = want_in.grad = exact_in.grad = None
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full, exact_state = parallel.full_state_dict(), reference.state_dict()
     for name, tensor in serial.state_dict().items():
-        found.append(_compare("param", name, steps, full.get(name), tensor))
+        found.append(_compare("param", name, steps, full.get(name), tensor, exact_state[name]))
     return found
+
+
+def _planned_once(factory, mesh_shape, planning: dict) -> dict:
+    """`planning` with the plan made here, once, instead of on every rank (tracing and
+    solving are most of a small job's time); the ranks apply it as `plan=`."""
+    if "plan" in planning:
+        return planning
+    model_factory = load_factory(factory) if isinstance(factory, str) else factory
+    torch.manual_seed(0)  # as every rank builds the model
+    model, inputs = model_factory()
+    plan = autoshard_plan(model, tuple(mesh_shape), inputs, **planning)
+    return {"plan": plan.to_json()}
 
 
 def equivalence_report(
@@ -150,14 +220,31 @@ def equivalence_report(
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
+    planning = _planned_once(factory, mesh_shape, planning)
     per_rank = pool.run(
         _equivalence_job, tuple(mesh_shape), factory, planning, steps, lr, torch_optimizer
     )
-    return [
-        Mismatch(m.what, m.name, m.step, m.max_abs, m.scale, rank)
-        for rank, found in enumerate(per_rank)
-        for m in found
-    ]
+    return [dataclasses.replace(m, rank=rank) for rank, found in enumerate(per_rank) for m in found]
+
+
+def _allowed(m: Mismatch, floor: float, rtol: float, atol: float) -> float:
+    if math.isnan(m.serial_error):  # no float64 reference: against the fp32 serial program
+        return rtol * m.scale + atol
+    return ERROR_FACTOR * m.serial_error + floor + atol
+
+
+def failures(report: list[Mismatch], *, rtol: float = 1e-5, atol: float = 0.0) -> list[Mismatch]:
+    """The comparisons of `report` that fail `assert_equivalent`'s check."""
+    largest: dict[tuple[str, int], float] = {}
+    for m in report:
+        largest[m.what, m.step] = max(largest.get((m.what, m.step), 0.0), m.scale)
+    failed = []
+    for m in report:
+        floor = m.eps * largest[m.what, m.step]
+        measured = m.max_abs if math.isnan(m.serial_error) else m.error
+        if measured > _allowed(m, floor, rtol, atol):
+            failed.append(m)
+    return failed
 
 
 def assert_equivalent(
@@ -174,15 +261,25 @@ def assert_equivalent(
     """Raise AssertionError naming the worst mismatch if the parallel program differs
     from the serial model; return every comparison otherwise.
 
-    A comparison fails when its largest error exceeds `rtol` times the tensor's
-    largest value, plus `atol`. Tensors whose values are all below
-    `NEGLIGIBLE` times the largest of their kind (outputs, gradients or
-    parameters) at that step are measured against that floor instead: their
-    exact value is zero or nearly so (a key bias's gradient under softmax), and
-    what both programs compute for them is rounding noise.
+    Every rank also runs a float64 copy of the serial model (same inputs, floating
+    ones cast to float64, same seeds, so the same dropout masks: CPU draws them
+    alike in either dtype), the reference both fp32 programs are measured against.
+    Tensor by tensor (each output, every gradient, every parameter after the
+    steps), the parallel program's largest error against it must not exceed
+    `ERROR_FACTOR` times the serial program's own, plus a rounding floor of one
+    machine epsilon of the tensor's dtype times the largest value of its kind
+    (outputs, gradients or parameters) at that step, plus `atol`. The floor lets
+    through what both programs compute for values that are zero in exact
+    arithmetic (a key bias's gradient under softmax): rounding noise, of either
+    size. A parallel program returning more or fewer outputs fails.
 
-    `planning` goes to `parallelize` (strategy, memory_budget, hardware, plan…);
-    `torch_optimizer` is the optimizer class both copies train with (``lr=lr``).
+    `rtol` applies only to a tensor with no float64 reference: it fails when
+    its error against the serial program exceeds `rtol` times its largest
+    value, plus `atol`.
+
+    `planning` goes to `autoshard.plan` (strategy, memory_budget, hardware…), once,
+    in this process; the ranks apply the plan. Pass `plan=` to apply your own.
+    `torch_optimizer` is the optimizer class every copy trains with (``lr=lr``).
     `factory` is a module-level callable returning ``(model, example_inputs)``
     (or ``"path/to/file.py:name"``). It runs in the shared pool of as many
     ranks as the mesh has (started once per process).
@@ -190,16 +287,9 @@ def assert_equivalent(
     report = equivalence_report(
         factory, mesh_shape, steps=steps, lr=lr, torch_optimizer=torch_optimizer, **planning
     )
-    largest: dict[tuple[str, int], float] = {}
-    for m in report:
-        largest[m.what, m.step] = max(largest.get((m.what, m.step), 0.0), m.scale)
-    failed = [
-        m
-        for m in report
-        if m.max_abs > rtol * max(m.scale, NEGLIGIBLE * largest[m.what, m.step]) + atol
-    ]
+    failed = failures(report, rtol=rtol, atol=atol)
     if failed:
-        worst = max(failed, key=lambda m: m.rel)
+        worst = max(failed, key=lambda m: m.error if not math.isnan(m.error) else m.rel)
         raise AssertionError(
             f"parallel program differs from the serial model on mesh {tuple(mesh_shape)} "
             f"planned with {planning}: {len(failed)} comparisons fail; worst: {worst}"

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autoshard.canonical import canonicalize
 from autoshard.errors import TraceError
 
 
@@ -82,6 +83,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
             env[node] = attrs[fqn]
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
+    canonicalize(graph)
     graph.lint()
     parameters = {
         fqn: state[fqn] if fqn in state else state[_first_in(aliases[fqn], state)] for fqn in attrs
@@ -138,3 +140,20 @@ def module_path(node: fx.Node) -> str:
     """The FQN of the innermost module the node was traced in ('' for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""
+
+
+def argument(node: fx.Node, name: str):
+    """The value of argument `name` of an ATen call node, given positionally or by
+    keyword, or else its schema default.
+
+    >>> argument(embedding_node, "padding_idx")    # aten.embedding(w, ids, 3)
+    3
+    """
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            if i < len(node.args) and not arg.kwarg_only:
+                return node.args[i]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return arg.default_value if arg.has_default_value() else None
+    raise KeyError(f"{node.target} has no argument {name!r}")

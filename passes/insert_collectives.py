@@ -24,13 +24,30 @@ from autoshard import ops
 from autoshard.comm import STEP_FUNCTIONS
 from autoshard.layout import Step
 from autoshard.plan import Plan
+from autoshard.strategies.conv import CONVOLUTIONS
 from autoshard.trace import tensor_inputs
 
 # A layer whose bias is added after its output collectives runs without it first.
 _WITHOUT_BIAS = {
     aten.linear.default: lambda x, w, b=None: (aten.linear.default, (x, w)),
     aten.addmm.default: lambda b, x, w: (aten.mm.default, (x, w)),
+    **{
+        conv: lambda x, w, b=None, *rest, conv=conv: (conv, (x, w, None, *rest))
+        for conv in CONVOLUTIONS
+    },
 }
+
+
+def _add_bias(graph: fx.Graph, out: fx.Node, bias: fx.Node, node: fx.Node) -> fx.Node:
+    """`out + bias`, the bias [channels] broadcast over the space dims of a convolution."""
+    if node.target in CONVOLUTIONS:
+        spatial = node.meta["val"].dim() - 2
+        bias = graph.call_function(aten.view.default, (bias, [-1] + [1] * spatial))
+        bias.meta["autoshard_serves"] = node.name
+    added = graph.call_function(aten.add.Tensor, (out, bias))
+    added.meta["val"] = node.meta["val"]
+    added.meta["autoshard_serves"] = node.name
+    return added
 
 
 def _step_kwargs(step: Step) -> dict:
@@ -108,9 +125,7 @@ class InsertCollectives:
         with graph.inserting_before(node.next):
             out = _apply_steps(graph, node, placed.output_steps, node.name)
             for bias in epilogue:
-                out = graph.call_function(aten.add.Tensor, (out, bias))
-                out.meta["val"] = node.meta["val"]
-                out.meta["autoshard_serves"] = node.name
+                out = _add_bias(graph, out, bias, node)
         self._replace_uses(node, out)
 
     @staticmethod

@@ -21,11 +21,15 @@ from autoshard import ops
 from autoshard.mesh import Mesh
 from autoshard.modes import FOLLOWS_MODE
 from autoshard.plan import NodePlan, Plan
+from autoshard.strategies.conv import local_groups
+from autoshard.strategies.inplace import out_of_place
+from autoshard.trace import argument
 
 
 def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    x, normalized_shape, weight, bias, eps = (list(node.args) + [None, None, 1e-5])[:5]
-    k = len(normalized_shape)
+    x = node.args[0]
+    weight, bias, eps = (argument(node, name) for name in ("weight", "bias", "eps"))
+    k = len(argument(node, "normalized_shape"))
     axes = tuple(a for dim in placed.strategy.inputs[0].dims[-k:] for a in dim)
     node.target = ops.layer_norm
     node.args = (x, weight, bias, eps)
@@ -74,18 +78,44 @@ def _shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
         node.args = (node.args[0], local, *node.args[2:])
 
 
+def _conv_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """A grouped convolution over split channels convolves only this rank's groups."""
+    x, weight, bias, stride, padding, dilation, groups = (list(node.args) + [None, 1, 0, 1, 1])[:7]
+    groups = node.kwargs.get("groups", groups)
+    local = local_groups(groups, placed.strategy.inputs[0], mesh)
+    node.args = (x, weight, bias, stride, padding, dilation, local)
+    node.kwargs = {}
+
+
+def _out_of_place(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """An in-place op as its functional twin; the readers of its first operand that
+    come after it read its result instead, as they read the updated tensor before."""
+    updated = node.args[0]
+    later, after = [], node.next
+    while after.op != "root":
+        if updated in after.all_input_nodes:
+            later.append(after)
+        after = after.next
+    for user in later:
+        user.replace_input_with(updated, node)
+    node.target = out_of_place(node.target)
+
+
 def _vocab_embedding(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     weight, ids = node.args[:2]
+    padding_idx = argument(node, "padding_idx")
     node.target = ops.vocab_embedding
     node.args = (weight, ids)
     node.kwargs = {
         "vocab_size": weight.meta["val"].shape[0],
         "vocab_axes": placed.strategy.inputs[0].dims[0],
+        "padding_idx": padding_idx,
     }
 
 
 def _cross_entropy(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    logits, target, _weight, reduction, ignore_index = (list(node.args) + [None, 1, -100])[:5]
+    logits, target = node.args[:2]
+    reduction, ignore_index = argument(node, "reduction"), argument(node, "ignore_index")
     tokens, vocab = placed.strategy.inputs[0].dims
     node.target = ops.cross_entropy
     node.args = (logits, target)
@@ -106,6 +136,8 @@ _LOWERINGS = {
     "shape": _shape,
     "vocab_embedding": _vocab_embedding,
     "cross_entropy": _cross_entropy,
+    "conv_groups": _conv_groups,
+    "out_of_place": _out_of_place,
 }
 
 

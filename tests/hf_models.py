@@ -10,6 +10,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
 )
 
 VOCAB, BATCH, SEQ = 64, 4, 8
@@ -34,8 +36,13 @@ class Encoder(nn.Module):
         return out.last_hidden_state, out.pooler_output
 
 
-def _tokens(n=2):
-    return tuple(torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(n))
+def _tokens(n=2, pad=None):
+    """`n` id tensors; with `pad`, the last two positions of every other row are padding,
+    so the padding row of the embedding is looked up (and must get no gradient)."""
+    ids = tuple(torch.randint(0, VOCAB, (BATCH, SEQ)) for _ in range(n))
+    if pad is not None:
+        ids[0][::2, -2:] = pad
+    return ids
 
 
 def gpt2():
@@ -80,4 +87,22 @@ def bert():
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    return Encoder(BertModel(config)), _tokens(1)
+    return Encoder(BertModel(config)), _tokens(1, pad=config.pad_token_id)
+
+
+def opt():
+    config = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        word_embed_proj_dim=32,
+        dropout=0.0,
+        attention_dropout=0.0,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return CausalLM(OPTForCausalLM(config)), _tokens(pad=config.pad_token_id)

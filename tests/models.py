@@ -102,3 +102,126 @@ class Flipped(nn.Module):
 
 def flipped():
     return Flipped(), (torch.randn(8, 4, 16),)
+
+
+class PaddedEmbeddings(nn.Module):
+    """Embeddings whose padding row must get no gradient, in every sharded form, and
+    token ids that hit it: `words` (64 rows) is split by vocabulary with the padding
+    row on the third of four row blocks; `kinds` (6 rows, which four ranks cannot
+    share) by features; `counted` scales gradients by frequency, which autoshard
+    does not claim (it runs replicated, with a warning); `capped` renormalizes rows
+    in place (max_norm), through an op with no rule."""
+
+    def __init__(self, vocab=64, kinds=6, hidden=16):
+        super().__init__()
+        self.words = nn.Embedding(vocab, hidden, padding_idx=37)
+        self.kinds = nn.Embedding(kinds, hidden, padding_idx=2)
+        self.counted = nn.Embedding(vocab, hidden, scale_grad_by_freq=True)
+        self.capped = nn.Embedding(vocab, hidden, max_norm=1.0)
+        self.head = nn.Linear(hidden, hidden)
+
+    def forward(self, ids, kinds):
+        x = self.words(ids) + self.kinds(kinds) + self.counted(ids) + self.capped(ids)
+        return self.head(torch.tanh(x))
+
+
+def padded_embeddings():
+    ids = torch.randint(0, 64, (8, 4))
+    ids[:, 0] = 37  # the padding row
+    ids[:, 1] = 32  # the first row of the padding row's block: local row 0 there
+    kinds = torch.randint(0, 6, (8, 4))
+    kinds[::2, 2] = 2
+    return PaddedEmbeddings(), (ids, kinds)
+
+
+class Router(nn.Module):
+    """A mixture-of-experts router: a one-output gate (no 3D layout divides it), top-k
+    of its scores (two outputs, no rule) and an expert mix weighted by them."""
+
+    def __init__(self, hidden=16, experts=4):
+        super().__init__()
+        self.gate = nn.Linear(hidden, 1)
+        self.scores = nn.Linear(hidden, experts)
+        self.expert = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        weights, _ = torch.topk(torch.softmax(self.scores(x), dim=-1), 2, dim=-1)
+        mixed = self.expert(x) * weights.sum(-1, keepdim=True)
+        return mixed * torch.sigmoid(self.gate(x))
+
+
+def router():
+    return Router(), (torch.randn(8, 4, 16),)
+
+
+class ScalarTypeAs(nn.Module):
+    """`scalar.type_as(x)` has the scalar's shape, not x's (DeBERTa's attention scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        scale = torch.tensor(4.0).type_as(h)
+        return h / torch.sqrt(scale)
+
+
+def scalar_type_as():
+    return ScalarTypeAs(), (torch.randn(8, 4, 16),)
+
+
+class SetOfBuffers(nn.Module):
+    """Meets its buffers in the order a Python set iterates their names, which changes
+    with PYTHONHASHSEED (ModernBERT does this for its rotary tables)."""
+
+    NAMES = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta")
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        for i, name in enumerate(self.NAMES):
+            self.register_buffer(name, torch.full((16,), float(i)))
+
+    def forward(self, x):
+        h = self.fc(x)
+        return sum(h * getattr(self, name) for name in set(self.NAMES))
+
+
+def set_of_buffers():
+    return SetOfBuffers(), (torch.randn(8, 4, 16),)
+
+
+class Arguments(nn.Module):
+    """Ops called with the arguments their rules must honour or decline: layer norms
+    without weight or bias and with their own eps, a sum over `dim=[]` (every dim),
+    and cross-entropies with `ignore_index` (hit by the targets), "sum", per-class
+    weights, label smoothing and "none" (the last three run replicated)."""
+
+    def __init__(self, hidden=16, classes=8):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.bias = nn.Parameter(torch.randn(hidden))
+        self.head = nn.Linear(hidden, classes)
+        self.register_buffer("class_weight", torch.rand(classes) + 0.5)
+
+    def forward(self, x, target):
+        h = self.fc(x)
+        h = nn.functional.layer_norm(h, (h.shape[-1],), None, None, 1e-2)
+        h = nn.functional.layer_norm(h, (h.shape[-1],), None, self.bias, 1e-3)
+        logits = self.head(torch.tanh(h)).flatten(0, 1)
+        ce = nn.functional.cross_entropy
+        return (
+            torch.sum(h, dim=[]),
+            ce(logits, target, ignore_index=3),
+            ce(logits, target, reduction="sum"),
+            ce(logits, target, weight=self.class_weight),
+            ce(logits, target, label_smoothing=0.1),
+            ce(logits, target, reduction="none"),
+        )
+
+
+def arguments():
+    target = torch.randint(0, 8, (32,))
+    target[::3] = 3  # ignored
+    return Arguments(), (torch.randn(8, 4, 16), target)

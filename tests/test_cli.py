@@ -77,7 +77,6 @@ def test_strategy_json_and_other_mesh(capsys):
         (["--mesh", "2x3x"], "--mesh '2x3x' is not a mesh shape"),
         (["--mesh", "2x2x2", "--strategy", "fancy"], "--strategy 'fancy' is not a strategy"),
         (["--mesh", "2x2x2", "--rank", "8"], "--rank 8 is not on the mesh"),
-        (["--mesh", "3x3x3"], "ShapeError"),
     ],
 )
 def test_bad_arguments_exit_2(capsys, args, message):
@@ -87,6 +86,11 @@ def test_bad_arguments_exit_2(capsys, args, message):
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_mesh_that_divides_nothing_plans_replicated_and_says_so(capsys):
+    out = show(capsys, "--mesh", "3x3x3", "--strategy", "3d")
+    assert "layers.0.fc1" in out and "runs replicated" in out
 
 
 @pytest.mark.parametrize(

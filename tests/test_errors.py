@@ -38,9 +38,9 @@ def test_untraceable_model_names_the_fix():
 
 def test_indivisible_dim_names_node_module_and_sizes():
     model, inputs = _load("indivisible_mlp")
-    with pytest.raises(autoshard.ShapeError, match=r"'linear'.*layers\.0\.fc1.*\[8, 4, 5\]"):
-        autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
-    autoshard.plan(model, (2, 2, 2), inputs, strategy="replicated")  # replicated always fits
+    with pytest.warns(UserWarning, match=r"'linear'.*layers\.0\.fc1.*\[8, 4, 5\].*runs replicated"):
+        plan = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    assert plan.nodes["linear"].strategy.inputs[0].sharded_axes == ()
 
 
 def test_parallelize_without_a_process_group():

@@ -13,7 +13,12 @@ Rules are registered per ATen overload:
     @register(aten.relu.default, aten.tanh.default)
     def pointwise(ctx): ...
 
-An op with no rule runs replicated (`replicated_fallback`), with a warning.
+An op with no rule runs replicated (`replicated_fallback`), with a warning. So
+does a call its rule does not claim: a rule handles every argument of its op
+or raises `Unclaimed` naming the argument value it has no sharded form for:
+
+    if argument(ctx.node, "scale_grad_by_freq"):
+        raise Unclaimed("scale_grad_by_freq=True")
 """
 
 from __future__ import annotations
@@ -105,6 +110,12 @@ class Context:
         return self.layouts[i] or Layout.replicated(len(self.shape(i)))
 
 
+class Unclaimed(Exception):
+    """Raised by a rule for a call it does not handle (an argument value it has no
+    sharded form for, such as a dropout inside attention): the node runs replicated,
+    with a warning naming `reason`."""
+
+
 Rule = Callable[[Context], list[Strategy]]
 _REGISTRY: dict[object, Rule] = {}
 
@@ -133,7 +144,23 @@ def rule_for(target) -> Rule | None:
 
 def replicated_fallback(ctx: Context) -> list[Strategy]:
     inputs = [Layout.replicated(len(ctx.shape(i))) for i in range(len(ctx.inputs))]
-    return [make("replicated", inputs, Layout.replicated(len(ctx.out_shape)), detail="no rule")]
+    val = ctx.node.meta["val"]
+    # an op with several outputs (topk: values and indices) lays out each of them
+    several = isinstance(val, (tuple, list))
+    outputs = tuple(_replicated_like(v) for v in val) if several else ()
+    return [
+        make(
+            "replicated",
+            inputs,
+            Layout.replicated(len(ctx.out_shape)),
+            outputs=outputs,
+            detail="no rule",
+        )
+    ]
+
+
+def _replicated_like(value) -> Layout:
+    return Layout.replicated(value.ndim if isinstance(value, torch.Tensor) else 0)
 
 
 def is_tensor(node: fx.Node) -> bool:
@@ -141,13 +168,22 @@ def is_tensor(node: fx.Node) -> bool:
 
 
 from autoshard.strategies import (  # noqa: E402,F401  (each module registers its rules)
+    argmax,
     attention,
+    baddbmm,
+    conv,
+    elementwise,
     embedding,
+    experts,
+    inplace,
     linear,
     loss,
     norm,
     pointwise,
     reduction,
+    repeat,
     replicated,
+    roll,
+    stack,
     views,
 )

@@ -14,9 +14,16 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import (
+    Context,
+    Strategy,
+    Unclaimed,
+    make,
+    register,
+)
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.views import _dim_arg, _unshard
+from autoshard.trace import argument
 
 
 def _query_layouts(ctx: Context) -> list[Layout]:
@@ -37,11 +44,8 @@ def _query_layouts(ctx: Context) -> list[Layout]:
 
 @register(aten.scaled_dot_product_attention.default)
 def sdpa(ctx: Context) -> list[Strategy]:
-    args = ctx.node.args
-    if (args[4] if len(args) > 4 else ctx.node.kwargs.get("dropout_p", 0.0)) > 0:
-        # Its own dropout mask would be drawn per shard, unlike the serial model's:
-        # whole on every rank, it draws the serial mask from the same random state.
-        return replicated_fallback(ctx)
+    if argument(ctx.node, "dropout_p"):  # a mask drawn per shard is not the serial one
+        raise Unclaimed(f"dropout_p={argument(ctx.node, 'dropout_p')}")
     candidates = []
     out_shape = ctx.out_shape
     for q in _query_layouts(ctx):

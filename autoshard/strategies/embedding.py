@@ -5,7 +5,9 @@ ids that fall in it (zeros elsewhere), and the pending sum over the
 vocabulary axes is reduce-scattered onto the token dims. With the features
 split over the third axis, the output is stored exactly as a 3D activation
 (tokens over two axes, features over one), and the table is stored the way
-a tied output projection reads its weight.
+a tied output projection reads its weight. The padding row (`padding_idx`)
+gets no gradient in either form: the feature-parallel lookup keeps whole rows,
+and the vocabulary-parallel one shifts the index into the rank's own rows.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from itertools import permutations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies import Context, Strategy, Unclaimed, make, register
+from autoshard.trace import argument
 
 
 def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
@@ -33,6 +36,11 @@ def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
 
 @register(aten.embedding.default)
 def embedding(ctx: Context) -> list[Strategy]:
+    # Both scale a row's gradient by how often the batch uses it, which a rank that
+    # sees only part of the batch or of the table cannot count.
+    for name in ("scale_grad_by_freq", "sparse"):
+        if argument(ctx.node, name):
+            raise Unclaimed(f"{name}=True")
     ids_shape = ctx.shape(1)
     rep_ids = Layout.replicated(len(ids_shape))
     if ctx.family == "replicated":

@@ -29,8 +29,16 @@ from itertools import permutations, product
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import (
+    Context,
+    Strategy,
+    Unclaimed,
+    make,
+    register,
+    replicated_fallback,
+)
 from autoshard.strategies.pointwise import aligned
+from autoshard.trace import argument
 
 
 def _layout(ndim: int, placed: list[tuple[int, tuple[str, ...]]], partial=()) -> Layout:
@@ -172,6 +180,9 @@ def linear(ctx: Context) -> list[Strategy]:
 @register(aten.addmm.default)
 def addmm(ctx: Context) -> list[Strategy]:
     # addmm(bias, x, w): GPT-2's Conv1D, W stored [H, O]
+    for name in ("beta", "alpha"):  # the bias is added after the collectives, unscaled
+        if argument(ctx.node, name) != 1:
+            raise Unclaimed(f"{name}={argument(ctx.node, name)}")
     return matmul_candidates(ctx, x=1, w=2, bias=0, w_out_dim=1, w_in_dim=0)
 
 

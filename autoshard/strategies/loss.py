@@ -2,7 +2,10 @@
 
 The logits are never gathered: the row maximum, the sum of exponentials and
 the target's logit are each reduced over the vocabulary axes (a few numbers
-per token), and the mean over tokens is reduced over the token axes.
+per token), and the mean (or sum) over tokens is reduced over the token axes;
+`ignore_index` targets count for neither. Per-class weights, label smoothing,
+reduction "none", probabilities as targets and logits of other than two dims
+are not claimed: those calls run replicated.
 """
 
 from __future__ import annotations
@@ -10,17 +13,24 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import Context, Strategy, Unclaimed, make, register
+from autoshard.trace import argument
 
 
 @register(aten.cross_entropy_loss.default)
 def cross_entropy(ctx: Context) -> list[Strategy]:
-    args = list(ctx.node.args) + [None] * 6
-    reduction = args[3] if args[3] is not None else ctx.node.kwargs.get("reduction", 1)
-    smoothing = args[5] if args[5] is not None else ctx.node.kwargs.get("label_smoothing", 0.0)
-    weighted = len(ctx.inputs) > 2
-    if len(ctx.shape(0)) != 2 or reduction not in (1, 2) or smoothing or weighted:
-        return replicated_fallback(ctx)  # per-class weights, smoothing, "none": gather first
+    node = ctx.node
+    reduction = argument(node, "reduction")
+    if reduction not in (1, 2):
+        raise Unclaimed("reduction='none'")
+    if argument(node, "weight") is not None:
+        raise Unclaimed("per-class weight")
+    if argument(node, "label_smoothing"):
+        raise Unclaimed(f"label_smoothing={argument(node, 'label_smoothing')}")
+    if len(ctx.shape(0)) != 2 or ctx.shape(1) != ctx.shape(0)[:1]:
+        raise Unclaimed(f"logits {list(ctx.shape(0))} with target {list(ctx.shape(1))}")
+    if ctx.inputs[1].meta["val"].is_floating_point():
+        raise Unclaimed("class probabilities as target")
     logits = ctx.layout(0)
     tokens, vocab = logits.dims
     target = Layout((tokens,))

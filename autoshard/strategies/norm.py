@@ -9,12 +9,13 @@ from torch.ops import aten
 
 from autoshard.layout import Layout, Step
 from autoshard.strategies import Context, Strategy, make, register
+from autoshard.trace import argument
 
 
 @register(aten.layer_norm.default)
 def layer_norm(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
-    k = len(ctx.node.args[1])
+    k = len(argument(ctx.node, "normalized_shape"))
     candidates = []
     itemsize = ctx.inputs[0].meta["val"].element_size()
     for dims in (x.dims, x.dims[:-k] + ((),) * k):

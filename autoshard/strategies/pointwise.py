@@ -38,7 +38,6 @@ POINTWISE = (
     aten.alias.default,
     aten.to.dtype,
     aten._to_copy.default,
-    aten.type_as.default,
     aten.where.self,
     aten.masked_fill.Scalar,
     aten.masked_fill.Tensor,
@@ -67,14 +66,24 @@ def aligned(out: Layout, shape, out_shape) -> Layout:
 
 
 def follow(ctx: Context, lowering: str | None = None) -> list[Strategy]:
-    ndims = [len(ctx.shape(i)) for i in range(len(ctx.inputs))]
-    primary = ndims.index(max(ndims))
+    """The output laid out as the operand of its own shape (else the one of most dims)."""
+    shapes = [ctx.shape(i) for i in range(len(ctx.inputs))]
+    same = [i for i, shape in enumerate(shapes) if shape == ctx.out_shape]
+    primary = same[0] if same else max(range(len(shapes)), key=lambda i: len(shapes[i]))
     out = ctx.layout(primary)
-    inputs = [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(len(ctx.inputs))]
+    inputs = [aligned(out, shape, ctx.out_shape) for shape in shapes]
     return [make("follow", inputs, out, lowering=lowering)]
 
 
 register(*POINTWISE)(follow)
+
+
+@register(aten.type_as.default)
+def type_as(ctx: Context) -> list[Strategy]:
+    """`x.type_as(other)` has x's shape: `other` lends only its dtype (no data, no
+    gradient), and is read as it is stored."""
+    x = ctx.layout(0)
+    return [make("follow", [x, *(ctx.layout(i) for i in range(1, len(ctx.inputs)))], x)]
 
 
 @register(aten.dropout.default)

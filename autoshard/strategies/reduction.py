@@ -7,16 +7,17 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies import Context, Strategy, make, register
+from autoshard.trace import argument
 
 
 @register(aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim)
 def reduction(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(ctx.shape(0))
-    args = ctx.node.args
-    reduced = args[1] if len(args) > 1 and args[1] is not None else list(range(nd))
-    reduced = {d % nd for d in reduced} if nd else set()
-    keepdim = args[2] if len(args) > 2 else ctx.node.kwargs.get("keepdim", False)
+    whole = ctx.node.target in (aten.sum.default, aten.mean.default)
+    asked = None if whole or not nd else argument(ctx.node, "dim")
+    reduced = {d % nd for d in asked} if asked else set(range(nd))  # dim=[] reduces every dim
+    keepdim = not whole and argument(ctx.node, "keepdim")
     partial = tuple(a for d in sorted(reduced) for a in x.dims[d])
     dims = tuple(
         () if d in reduced else x.dims[d] for d in range(nd) if keepdim or d not in reduced

@@ -16,6 +16,7 @@ REPLICATED = (
     aten.zeros.default,
     aten.empty.memory_format,
     aten.scalar_tensor.default,
+    aten.lift_fresh_copy.default,  # a constant made in forward: torch.tensor(...)
     aten.new_ones.default,
     aten.new_zeros.default,
     aten.new_full.default,

@@ -175,4 +175,6 @@ def cat(ctx: Context) -> list[Strategy]:
     ndims = [len(ctx.shape(i)) for i in range(len(ctx.inputs))]
     primary = ndims.index(max(ndims))
     x = _unshard(ctx.layout(primary), dim)
-    return [make("follow", [x] * len(ctx.inputs), x)]
+    # a 1-D empty operand (an empty cache, torch.tensor([])) joins anything and holds nothing
+    inputs = [x if n == len(x.dims) else Layout.replicated(n) for n in ndims]
+    return [make("follow", inputs, x)]

@@ -1,0 +1,63 @@
+"""In-place pointwise ops (Falcon's ``attn_output.add_(mlp_output)``, a batch norm's
+``num_batches_tracked.add_(1)``).
+
+The result is the first operand's storage, so that operand must be used as it
+is stored: a collective before the op would make it update a copy, and every
+later reader of the original would miss the update. The op therefore follows
+its first operand exactly; the other operands are split to match.
+
+On the ranks an update of an activation runs out of place (the "out_of_place"
+lowering), its readers after it reading its result: the stored operand may be
+a collective's output, which autograd forbids updating in place. A parameter or
+buffer is updated in place, as in the serial model. An update through a view
+(``h[:, :4].mul_(2)``) would have to reach the shards of the viewed tensor:
+autoshard refuses it (`StrategyError`) rather than compute it wrongly.
+"""
+
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autoshard.errors import StrategyError
+from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies.pointwise import aligned
+
+IN_PLACE = (
+    aten.add_.Tensor,
+    aten.add_.Scalar,
+    aten.sub_.Tensor,
+    aten.sub_.Scalar,
+    aten.mul_.Tensor,
+    aten.mul_.Scalar,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+    aten.masked_fill_.Scalar,
+    aten.detach_.default,
+)
+
+
+def out_of_place(op):
+    """The functional twin of an in-place overload: ``aten.add_.Tensor`` → ``aten.add.Tensor``."""
+    packet = getattr(aten, op._schema.name.split("::")[1].removesuffix("_"))
+    return getattr(packet, op._overloadname)
+
+
+def _is_view(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    return node.op == "call_function" and any(r.alias_info is not None for r in returns)
+
+
+@register(*IN_PLACE)
+def in_place(ctx: Context) -> list[Strategy]:
+    target = ctx.inputs[0]
+    if _is_view(target):
+        raise StrategyError(
+            f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
+            f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
+            "tensor's shards: write it out of place (h = h * 2, or torch.cat of the parts)"
+        )
+    out = ctx.layout(0)
+    inputs = [out] + [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(1, len(ctx.inputs))]
+    lowering = "out_of_place" if target.op == "call_function" else None
+    return [make("follow", inputs, out, lowering=lowering, detail="in place")]

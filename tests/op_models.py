@@ -1,0 +1,134 @@
+"""Small models built around one op each, for the rules the zoo needs (`test_rules.py`).
+
+Loaded by path in the rank processes (`tests/op_models.py:conv2d`): module-level
+factories with no arguments returning ``(model, example_inputs)``.
+"""
+
+import torch
+from torch import nn
+
+
+class Conv2d(nn.Module):
+    """A strided, padded patch conv with a bias, then a dilated grouped one without."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(4, 16, kernel_size=3, stride=2, padding=1)
+        self.grouped = nn.Conv2d(16, 8, kernel_size=3, padding=2, dilation=2, groups=4, bias=False)
+
+    def forward(self, x):
+        return self.grouped(torch.relu(self.patch(x)))
+
+
+class Conv1d(nn.Module):
+    """Mamba's causal depthwise conv1d (groups = channels), then a pointwise conv."""
+
+    def __init__(self, channels=16):
+        super().__init__()
+        self.depthwise = nn.Conv1d(channels, channels, kernel_size=4, padding=3, groups=channels)
+        self.pointwise = nn.Conv1d(channels, 8, kernel_size=1)
+
+    def forward(self, x):
+        y = self.depthwise(x)[..., : x.shape[-1]]
+        return self.pointwise(torch.nn.functional.silu(y))
+
+
+def conv2d():
+    return Conv2d(), (torch.randn(8, 4, 8, 8),)
+
+
+def conv1d():
+    return Conv1d(), (torch.randn(8, 16, 12),)
+
+
+class TransposedWeights(nn.Module):
+    """Falcon's layers: ``x @ weight.T``, an in-place residual add, a constant made in
+    forward, and a reshape by example."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(32, hidden) / 4)
+        self.down = nn.Parameter(torch.randn(hidden, 32) / 4)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.up.T) @ self.down.T
+        h.add_(x * torch.tensor(0.5))
+        return h.reshape(-1, h.shape[-1]).reshape_as(x)
+
+
+class Elementwise(nn.Module):
+    """Tables and masks as rotary embeddings, relative positions and ALiBi build them."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.gate = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.proj(x)  # [B, S, H]
+        g = self.gate(x)
+        pair = torch.stack([h, g], dim=-1).flatten(-2)  # [B, S, 2H]
+        twice = torch.repeat_interleave(h, 2, dim=-1)  # [B, S, 2H]
+        tiled = g.repeat(1, 1, 2)  # [B, S, 2H]
+        mixed = pair * twice + torch.roll(tiled, shifts=1, dims=1)
+        mixed = torch.where(mixed > 0, mixed, -1.0)
+        mixed = torch.min(mixed, torch.full_like(mixed, 2.0))
+        powered = torch.pow(torch.sigmoid(h) + 1, torch.sigmoid(g))
+        soft = torch.nn.functional.softplus(g, beta=2.0, threshold=1.0)
+        best = torch.argmax(mixed, dim=-1, keepdim=True)
+        picked = torch.gather(mixed, -1, best)
+        return mixed.sum(-1, keepdim=True) + torch.multiply(powered, soft) + picked
+
+
+class Alibi(nn.Module):
+    """Bloom's scores: ``baddbmm(alibi, q, kᵀ, beta=1, alpha=1/√d)``, then a softmax."""
+
+    def __init__(self, hidden=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        q, k, v = (t.transpose(1, 2).reshape(b * self.heads, s, -1) for t in (q, k, v))
+        slopes = torch.arange(1, b * self.heads + 1, dtype=x.dtype).view(-1, 1, 1) / 8
+        alibi = slopes * torch.arange(s, dtype=x.dtype).view(1, 1, s)
+        scores = torch.baddbmm(alibi, q, k.transpose(1, 2), beta=0.5, alpha=0.25)
+        attn = torch.softmax(scores, dim=-1) @ v  # [B·heads, S, d]
+        attn = attn.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, h)
+        return self.out(attn)
+
+
+def transposed_weights():
+    return TransposedWeights(), (torch.randn(8, 4, 16),)
+
+
+def elementwise():
+    return Elementwise(), (torch.randn(8, 4, 16),)
+
+
+def alibi():
+    return Alibi(), (torch.randn(8, 4, 16),)
+
+
+class Experts(nn.Module):
+    """Hugging Face's expert MLP: tokens sorted by expert through two grouped products."""
+
+    def __init__(self, experts=4, hidden=16, inner=32):
+        super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers grouped_mm_fallback)
+
+        self.up = nn.Parameter(torch.randn(experts, inner, hidden) / 4)
+        self.down = nn.Parameter(torch.randn(experts, hidden, inner) / 4)
+        self.register_buffer("offs", torch.tensor([5, 5, 12, 16]))  # expert 1 gets no token
+
+    def forward(self, x):
+        grouped = torch.ops.transformers.grouped_mm_fallback
+        h = torch.nn.functional.silu(grouped(x, self.up.transpose(1, 2), self.offs))
+        return grouped(h, self.down.transpose(1, 2), self.offs)
+
+
+def experts():
+    return Experts(), (torch.randn(16, 16),)

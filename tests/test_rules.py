@@ -1,0 +1,99 @@
+"""The rules the zoo needs (convolutions, in-place ops, stack, repeats, roll, argmax,
+baddbmm, experts' grouped products, more pointwise ops) shard their op and match the
+serial model, values and gradients, on real gloo ranks."""
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autoshard
+from autoshard.errors import StrategyError
+from autoshard.testing import assert_equivalent, load_factory
+
+OPS = Path(__file__).with_name("op_models.py")
+# The nodes each model exists for, and the ops they must be planned as (not replicated).
+SHARDED = {
+    "conv2d": {"conv2d": "aten.conv2d.default", "conv2d_1": "aten.conv2d.default"},
+    "conv1d": {"conv1d": "aten.conv1d.default", "conv1d_1": "aten.conv1d.default"},
+    "transposed_weights": {
+        "matmul": "aten.linear.default",
+        "add_": "aten.add_.Tensor",
+        "reshape_as": "aten.reshape.default",
+    },
+    "elementwise": {
+        "stack": "aten.stack.default",
+        "repeat_interleave": "aten.repeat_interleave.self_int",
+        "repeat": "aten.repeat.default",
+        "roll": "aten.roll.default",
+        "pow_1": "aten.pow.Tensor_Tensor",
+        "softplus": "aten.softplus.default",
+        "multiply": "aten.multiply.Tensor",
+    },
+    "alibi": {"baddbmm": "aten.baddbmm.default"},
+    "experts": {
+        "grouped_mm_fallback": "autoshard.grouped_mm_nt.default",
+        "grouped_mm_fallback_1": "autoshard.grouped_mm_nt.default",
+    },
+}
+
+
+def _plan(name, strategy="3d"):
+    model, inputs = load_factory(f"{OPS}:{name}")()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(model, (2, 2, 2), inputs, strategy=strategy)
+    return plan, [str(w.message) for w in caught if "no rule" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_the_rule_splits_its_op(name):
+    plan, no_rule = _plan(name)
+    assert not no_rule
+    for node, op in SHARDED[name].items():
+        placed = plan.nodes[node]
+        assert placed.op == op
+        assert placed.strategy.family != "replicated"
+        assert placed.local_shape != placed.shape, f"{node} is not split"
+
+
+@pytest.mark.parametrize("strategy", ["3d", "3d-allreduce"])
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_the_rule_matches_serial(name, strategy):
+    assert_equivalent(f"{OPS}:{name}", (2, 2, 2), strategy=strategy, steps=2)
+
+
+def test_an_image_convolution_splits_no_input_channel():
+    # 3 colour channels divide no mesh axis: that axis splits the batch instead.
+    model = nn.Conv2d(3, 16, kernel_size=4, stride=4)
+    plan = autoshard.plan(model, (2, 2, 2), (torch.randn(8, 3, 16, 16),), strategy="3d")
+    strategy = plan.nodes["conv2d"].strategy
+    assert strategy.inputs[0].dims[1] == () and len(strategy.inputs[0].dims[0]) == 2
+
+
+def test_a_depthwise_convolution_convolves_its_own_groups():
+    model = nn.Conv1d(16, 16, kernel_size=3, groups=16)
+    x = torch.randn(2, 16, 8)
+    plan = autoshard.plan(model, (2, 2, 2), (x,), strategy="3d")
+    # the batch of 2 splits over one axis at most: the channels take the others
+    assert plan.nodes["conv1d"].local_shape[1] < 16
+
+
+class UpdatesAView(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h[:, :4].mul_(2.0)  # reaches h through a view: not claimed
+        return h
+
+
+def test_an_in_place_update_of_a_view_is_refused_by_name():
+    with pytest.raises(
+        StrategyError, match=r"'mul_' .* updates 'slice_\d*', a view .* out of place"
+    ):
+        autoshard.plan(UpdatesAView(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
