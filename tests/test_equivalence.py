@@ -1,11 +1,13 @@
 """The parallel program equals the serial model: outputs, every gradient, and the
 parameters after three SGD steps, on real gloo meshes."""
 
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
-from autoshard.testing import assert_equivalent
+from autoshard.testing import Mismatch, _compare, assert_equivalent, failures
 
 MODELS = str(Path(__file__).parent / "models.py")
 MIXED = {"layers.*.fc1": "3d-allreduce", "layers.1.*": "replicated", "head": "3d"}
@@ -28,3 +30,25 @@ def test_a_difference_is_caught():
     # `perturbed_mlp`'s serial reference has one weight off by 1e-3: the check must fail.
     with pytest.raises(AssertionError, match="differs from the serial model"):
         assert_equivalent(f"{MODELS}:perturbed_mlp", (2, 2, 2), strategy="3d", steps=1)
+
+
+def test_dropout_draws_the_same_mask_in_float64():
+    # the float64 reference relies on it: same seed, same mask, whatever the dtype
+    masks = []
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(7)
+        masks.append(torch.nn.functional.dropout(torch.ones(4096, dtype=dtype), 0.3) != 0)
+    assert torch.equal(*masks)
+
+
+def test_errors_are_measured_against_float64_tensor_by_tensor():
+    exact = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    serial = exact.float()
+    one_ulp = torch.nextafter(serial, serial + 1)  # another summation order may round so
+    close = _compare("grad", "w", 0, one_ulp, serial, exact)
+    wrong = _compare("grad", "w", 0, serial + torch.tensor([0.0, 0.0, 2e-5]), serial, exact)
+    small = _compare("grad", "zero", 0, torch.zeros(3), torch.zeros(3), torch.zeros(3).double())
+    assert failures([close, small]) == []
+    assert failures([close, wrong]) == [wrong]  # 7e-6 relative: rtol=1e-5 let it through
+    count = Mismatch("output", "count (parallel 1, serial 2)", 0, math.inf, 1.0)
+    assert failures([count]) == [count]
