@@ -46,6 +46,24 @@ def check_strategy(strategy) -> None:
             raise StrategyError(f"unknown strategy {name!r}: choose one of {', '.join(FAMILIES)}")
 
 
+def check_patterns(traced: Traced, strategy) -> None:
+    """Every module pattern of a strategy dict must match the module of some op: a
+    misspelt pattern would otherwise leave its modules at the default silently."""
+    if not isinstance(strategy, dict):
+        return
+    paths = {module_path(n) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
+    for pattern in strategy:
+        if pattern == "*" or any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            continue
+        inner = sorted(p for p in paths if fnmatch.fnmatchcase(p, pattern + ".*"))
+        hint = f"; it names a parent module: write {pattern + '.*'!r}" if inner else ""
+        known = ", ".join(repr(p) for p in sorted(paths - {""})[:8]) or "none"
+        raise StrategyError(
+            f"strategy pattern {pattern!r} matches no module that runs an op{hint} "
+            f"(module paths: {known}{', …' if len(paths) > 9 else ''})"
+        )
+
+
 def family_of(path: str, strategy) -> str:
     """The family the user asked for at module `path`."""
     if strategy is None:
@@ -133,6 +151,7 @@ def plan_graph(
       has in the receiving part's own plan, so every part runs exactly as priced.
     """
     check_strategy(strategy)
+    check_patterns(traced, strategy)
     planning = mesh.relabeled(order) if order else mesh
     graph = traced.graph_module.graph
     default_family = (
