@@ -24,6 +24,7 @@ from autoshard.mesh import Mesh
 from autoshard.plan import Plan
 from autoshard.solver import plan_model
 from autoshard.trace import Traced, bind, trace
+from autoshard.verify import check_plan, fingerprint
 from passes import ShardParameters, emit
 
 
@@ -88,6 +89,8 @@ def parallelize(
         plan = _solved(traced, layout, strategy, memory_budget, hardware, strategy_space, optimizer)
     elif plan.mesh != layout:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
+    else:
+        check_plan(plan, traced)
     _check_same_on_every_rank(plan, traced, example_inputs if check else None)
     program = emit(traced, plan)
     bound = comm.BoundMesh(mesh, layout)
@@ -97,7 +100,7 @@ def parallelize(
 
 
 def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
-    return plan_model(
+    plan = plan_model(
         traced,
         mesh,
         strategy=strategy,
@@ -106,6 +109,8 @@ def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, opt
         strategy_space=strategy_space,
         optimizer=_optimizer(optimizer),
     )
+    plan.graph = fingerprint(traced)
+    return plan
 
 
 def _hardware(hardware) -> Hardware:

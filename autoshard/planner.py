@@ -134,6 +134,7 @@ def plan_graph(
     fixed: dict[str, Strategy] | None = None,
     crossing: dict[str, dict[str, Layout]] | None = None,
     inputs: dict[str, Layout] | None = None,
+    fallback: bool = False,
 ) -> Plan:
     """Plan every node.
 
@@ -149,6 +150,9 @@ def plan_graph(
       node as it is in the plan of its part's family and orientation, and a value
       that crosses from one part into another first converted to the layout it
       has in the receiving part's own plan, so every part runs exactly as priced.
+    - `fallback`: a node that no layout of its family divides takes the next family
+      that fits ("3d" → "3d-allreduce" → "replicated"), noted in `Plan.fallbacks`;
+      without it (a family the user forced) that node is a ShapeError.
     """
     check_strategy(strategy)
     check_patterns(traced, strategy)
@@ -164,6 +168,7 @@ def plan_graph(
     entry_steps: dict[str, tuple] = {}
     nodes: dict[str, NodePlan] = {}
     notes: list[str] = []
+    fallbacks: dict[str, str] = {}
     output_steps: tuple = ()
 
     for node in graph.nodes:
@@ -196,20 +201,31 @@ def plan_graph(
                         layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
                     )
                     layouts[i] = pretend
-            ctx = Context(node, planning, operands, layouts, family)
-            rule = rule_for(node.target)
-            candidates = rule(ctx) if rule else []
-            if not candidates:
-                if rule is not None:
-                    raise ShapeError(_no_fit_message(ctx, node, mesh))
-                message = f"no rule for {node.target} ({_describe(node)}): it runs replicated"
-                warnings.warn(message, stacklevel=3)
-                notes.append(message)
-                candidates = replicated_fallback(ctx)
-            own = (knobs or {}).get(node.name, Knobs())
-            nodes[node.name] = _place(
-                node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
-            )
+            families = _fallbacks(family) if fallback and chosen is None else [family]
+            for attempt, family in enumerate(families):
+                ctx = Context(node, planning, operands, layouts, family)
+                rule = rule_for(node.target)
+                candidates = rule(ctx) if rule else []
+                try:
+                    if not candidates:
+                        if rule is not None:
+                            raise ShapeError(_no_fit_message(ctx, node, mesh))
+                        message = (
+                            f"no rule for {node.target} ({_describe(node)}): it runs replicated"
+                        )
+                        warnings.warn(message, stacklevel=3)
+                        notes.append(message)
+                        candidates = replicated_fallback(ctx)
+                    own = (knobs or {}).get(node.name, Knobs())
+                    nodes[node.name] = _place(
+                        node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
+                    )
+                    break
+                except ShapeError as e:
+                    if attempt == len(families) - 1:
+                        raise
+                    why = str(e).removesuffix(f"; {_ADVICE}")
+                    fallbacks[node.name] = f"{why}: planned as {families[attempt + 1]!r} instead"
             if bridges:
                 placed = nodes[node.name]
                 placed.input_steps = tuple(
@@ -224,7 +240,7 @@ def plan_graph(
                 )
                 for v in tensor_inputs(node)
             )
-    return Plan(mesh, nodes, storage, entry_steps, output_steps, notes)
+    return Plan(mesh, nodes, storage, entry_steps, output_steps, notes, fallbacks=fallbacks)
 
 
 def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
@@ -356,6 +372,22 @@ _ADVICE = (
     "use sizes divisible by the mesh axes that shard them, another mesh shape, "
     "or strategy 'replicated' for this module"
 )
+
+
+_NEXT_FAMILY = {
+    "3d": "3d-allreduce",
+    "any": "any-allreduce",
+    "3d-allreduce": "replicated",
+    "any-allreduce": "replicated",
+}
+
+
+def _fallbacks(family: str) -> list[str]:
+    """`family`, then each family to try when it does not fit: "3d", "3d-allreduce", …"""
+    out = [family]
+    while out[-1] in _NEXT_FAMILY:
+        out.append(_NEXT_FAMILY[out[-1]])
+    return out
 
 
 def _no_fit_message(ctx: Context, node: fx.Node, mesh: Mesh) -> str:

@@ -175,13 +175,20 @@ class Problem:
 
 
 def build_problem(
-    traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
+    traced: Traced,
+    mesh: Mesh,
+    hardware: Hardware,
+    families: tuple[str, ...],
+    optimizer: float,
+    fallback: bool = True,
 ) -> Problem:
     """The integer program of the module docstring, for `families` in every order of
-    the axes that costs differently (`orientations`)."""
+    the axes that costs differently (`orientations`). With `fallback`, a node that no
+    layout of a family divides is planned in that family's plan by the next family
+    that fits (`plan_graph`), so the family stays an option for every other unit."""
     orders = orientations(mesh, hardware)
     plans = {
-        (family, order): plan_graph(traced, mesh, family, order=order or None)
+        (family, order): plan_graph(traced, mesh, family, order=order or None, fallback=fallback)
         for family in families
         for order in (orders if family != "replicated" else [()])
     }
@@ -512,15 +519,19 @@ def plan_model(
         space = (strategy,) if strategy else SPACES[strategy_space]
         if memory_budget is None:
             memory_budget = hardware.memory_per_device
-        problem = build_problem(traced, mesh, hardware, space, optimizer)
+        # A family the user forced must fit every node; the solver's own choice falls
+        # back node by node to the next family that fits.
+        problem = build_problem(traced, mesh, hardware, space, optimizer, fallback=not strategy)
         # The problem prices each unit as its family plans it alone; a unit next to one
         # of another family may be planned a little differently. If the plan itself
         # does not fit, solve again with the budget lowered by the overshoot.
         budget = memory_budget
         for _ in range(_REPAIRS):
-            plan = _planned(traced, mesh, problem, solve(problem, budget), hardware, optimizer)
+            choice = solve(problem, budget)
+            plan = _planned(traced, mesh, problem, choice, hardware, optimizer)
             overshoot = plan.cost.peak_memory - (memory_budget or math.inf)
             if overshoot <= 0:
+                plan.reasons = reasons(problem, choice, memory_budget)
                 return plan
             budget -= overshoot
         raise BudgetError(
@@ -561,5 +572,38 @@ def _planned(traced, mesh, problem: Problem, choice: dict[str, Option], hardware
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }
     plan.choices = {unit: str(option) for unit, option in choice.items()}
+    plan.warnings += [  # the nodes that left their family, in the variants chosen
+        note
+        for name, v in variant.items()
+        if (note := problem.plans[v].fallbacks.get(name)) is not None
+    ]
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
+
+
+def reasons(problem: Problem, choice: dict[str, Option], budget: float | None) -> dict[str, str]:
+    """Why each unit left replicated is so: what the fastest option of each other
+    family would change, that unit alone switched (knobs at their defaults)."""
+    time, _ = problem.evaluate(choice)
+    out = {}
+    for u in problem.units:
+        if choice[u].family != "replicated":
+            continue
+        best: dict[str, tuple[float, float]] = {}  # family → (seconds more, peak)
+        for option in problem.options[u]:
+            if option.family == "replicated":
+                continue
+            t, peak = problem.evaluate({**choice, u: option})
+            if option.family not in best or t - time < best[option.family][0]:
+                best[option.family] = (t - time, peak)
+        if not best:
+            continue
+        fits = {f: dt for f, (dt, peak) in best.items() if budget is None or peak <= budget}
+        parts = [f"{f} would cost {dt * 1e3:.4g} ms more" for f, dt in sorted(fits.items())]
+        parts += [
+            f"{f} would peak at {human_bytes(peak)}, over the budget"
+            for f, (_, peak) in sorted(best.items())
+            if f not in fits
+        ]
+        out[u] = "replicated is fastest at this budget: " + "; ".join(parts)
+    return out
