@@ -471,6 +471,10 @@ def show(args, console: Console) -> None:
     console.print()
     console.print(_cost_table(plan, hardware.name, budget))
     console.print()
+    for unit, reason in plan.reasons.items():  # the solver's word on what it left replicated
+        console.print(Text(f"{unit}: {reason}", style="yellow"))
+    if plan.reasons:
+        console.print()
     inputs = dict(zip(plan.entry_steps, traced.input_shapes))  # both in placeholder order
     console.print(_plan_table(plan, inputs, console.width))
     console.print(_comm_table(plan))

@@ -77,7 +77,7 @@ def test_strategy_json_and_other_mesh(capsys):
         (["--mesh", "2x3x"], "--mesh '2x3x' is not a mesh shape"),
         (["--mesh", "2x2x2", "--strategy", "fancy"], "--strategy 'fancy' is not a strategy"),
         (["--mesh", "2x2x2", "--rank", "8"], "--rank 8 is not on the mesh"),
-        (["--mesh", "3x3x3"], "ShapeError"),
+        (["--mesh", "3x3x3", "--strategy", "3d"], "ShapeError"),  # forced: no fallback
     ],
 )
 def test_bad_arguments_exit_2(capsys, args, message):
