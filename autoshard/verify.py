@@ -27,7 +27,7 @@ from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.plan import NodePlan, Plan
 from autoshard.planner import _regathered
-from autoshard.strategies import FAMILIES, Context, replicated_fallback, rule_for
+from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback, rule_for
 from autoshard.trace import Traced, module_path, tensor_inputs
 
 _AGAIN = "plan again for this model (autoshard.plan, or parallelize without plan=)"
@@ -121,7 +121,7 @@ def check_plan(plan: Plan, traced: Traced) -> None:
         elif _placed(node):
             here = plan.nodes[node.name]
             _check_node(node, here, stored, owner, plan, mesh)
-            stored[node] = here.strategy.outputs if here.strategy.outputs else here.strategy.stored
+            stored[node] = here.strategy.stored if is_tensor(node) else here.strategy.outputs
         elif node.op == "output":
             for i, (value, steps) in enumerate(zip(tensor_inputs(node), plan.output_steps)):
                 whole = Layout.replicated(len(_shape(value)))
