@@ -6,11 +6,14 @@ loss = parallel(x)          # every rank passes the full input, gets the full ou
 print(parallel.code)        # the rewritten program, collectives included
 """
 
+from autoshard import checkpoint
 from autoshard.api import ParallelModule, parallelize, plan
+from autoshard.clip import clip_grad_norm_
 from autoshard.comm import CommLog, CommRecord, comm_log
 from autoshard.errors import (
     AutoshardError,
     BudgetError,
+    CheckpointError,
     HardwareError,
     InputError,
     MeshError,
@@ -27,6 +30,7 @@ from autoshard.plan import Plan
 __all__ = [
     "AutoshardError",
     "BudgetError",
+    "CheckpointError",
     "Hardware",
     "HardwareError",
     "CommLog",
@@ -42,6 +46,8 @@ __all__ = [
     "Step",
     "StrategyError",
     "TraceError",
+    "checkpoint",
+    "clip_grad_norm_",
     "comm_log",
     "parallelize",
     "plan",

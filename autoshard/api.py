@@ -206,6 +206,7 @@ class ParallelModule(torch.nn.Module):
         self._signature = traced.signature
         self._check_calls = check_calls
         self._aliases = traced.aliases
+        self._transient = traced.transient
         self._out_spec = traced.out_spec
         for name, child in program.named_children():
             self.add_module(name, child)
@@ -275,7 +276,10 @@ class ParallelModule(torch.nn.Module):
             object.__setattr__(clone, key, copy.deepcopy(value, memo))
         return clone
 
-    def _gathered(self, tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    def _gathered(
+        self, tensors: dict[str, torch.Tensor | None], rank0_only: bool = False
+    ) -> dict[str, torch.Tensor | None]:
+        keep = not rank0_only or dist.get_rank() == 0
         out = {}
         with comm.bound(self._mesh):
             for fqn, local in tensors.items():
@@ -283,14 +287,29 @@ class ParallelModule(torch.nn.Module):
                 if local is not None:
                     layout = self.plan.storage.get(fqn) or Layout.replicated(local.ndim)
                     full = comm.gather_full(local, layout.dims)
-                for name in self._aliases.get(fqn, (fqn,)):
-                    out[name] = full
+                    # one gathered tensor in flight at a time: to host on rank 0, dropped elsewhere
+                    full = full.cpu() if rank0_only and keep else full
+                if keep:
+                    for name in self._aliases.get(fqn, (fqn,)):
+                        out[name] = full
         return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer at its original shape and name (a collective)."""
-        return self._gathered(dict(self.program.state_dict(keep_vars=True)))
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer at its original shape and name (a collective).
 
-    def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient at its original shape and name (a collective)."""
-        return self._gathered({n: p.grad for n, p in self.program.named_parameters()})
+        With `rank0_only`, the tensors are gathered one at a time and kept, on the
+        CPU, by rank 0 alone (the others get an empty dict): no rank ever holds
+        more than its shards and one full tensor, so a model too big for one
+        device can be exported from its shards."""
+        return self._gathered(self.local_state_dict(), rank0_only)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every tensor of the model's state_dict (parameters and
+        persistent buffers), by FQN; `plan.storage` says how each is split."""
+        state = self.program.state_dict(keep_vars=True)
+        return {fqn: t for fqn, t in state.items() if fqn not in self._transient}
+
+    def full_grads(self, rank0_only: bool = False) -> dict[str, torch.Tensor | None]:
+        """Every parameter's gradient at its original shape and name (a collective);
+        `rank0_only` as in `full_state_dict`."""
+        return self._gathered({n: p.grad for n, p in self.program.named_parameters()}, rank0_only)

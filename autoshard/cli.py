@@ -194,23 +194,6 @@ def rank_coordinate(mesh: Mesh, rank: int) -> dict[str, int]:
     return {name: coord[name] for name in mesh.names}
 
 
-def shard_slices(shape, layout: Layout, mesh: Mesh, coord: dict[str, int]) -> list[tuple[int, int]]:
-    """Per dim, the [start, stop) of the global tensor the rank at `coord` holds.
-
-    Axes splitting one dim nest outer to inner: with (x, y) the chunk index is
-    ``coord[x] * size(y) + coord[y]`` of ``size(x) * size(y)`` equal chunks.
-    """
-    out = []
-    for size, axes in zip(shape, layout.dims):
-        index, count = 0, 1
-        for axis in axes:
-            index = index * mesh.size(axis) + coord[axis]
-            count *= mesh.size(axis)
-        chunk = size // count
-        out.append((index * chunk, (index + 1) * chunk))
-    return out
-
-
 def slice_text(shape, slices) -> str:
     """``rows 16:32, cols 8:16``; ``all`` when the rank holds the whole tensor."""
     if all(start == 0 and stop == size for size, (start, stop) in zip(shape, slices)):
@@ -412,7 +395,7 @@ def _shards_table(plan: Plan, parameters: dict, coord: dict[str, int]) -> Table:
     for name, tensor in parameters.items():
         layout = _layout(plan, name, tensor)
         shape = tuple(tensor.shape)
-        slices = shard_slices(shape, layout, plan.mesh, coord)
+        slices = layout.shard_slices(shape, plan.mesh, coord)
         cells = [
             name if isinstance(tensor, torch.nn.Parameter) else f"{name} (buffer)",
             str(list(shape)),
@@ -464,7 +447,14 @@ def show(args, console: Console) -> None:
         warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
         model, inputs = load_model(args.model)
         traced = trace(model, inputs)
-        plan = plan_model(traced, mesh, strategy=strategy, memory_budget=budget, hardware=hardware)
+        plan = plan_model(
+            traced,
+            mesh,
+            strategy=strategy,
+            memory_budget=budget,
+            hardware=hardware,
+            strategy_space=args.space,
+        )
         program = None if args.no_code else emit(traced, plan)
 
     _header(console, model, plan, strategy, traced.parameters)

@@ -41,6 +41,7 @@ class BoundMesh:
     """A DeviceMesh seen through autoshard's axis names."""
 
     def __init__(self, device_mesh, mesh: Mesh):
+        self.device_mesh = device_mesh
         self.mesh = mesh
         self.axes = {}
         for i, name in enumerate(mesh.names):

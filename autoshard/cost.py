@@ -31,7 +31,12 @@ Memory, in bytes per rank:
     (8.660337777777779e-06, 8.660337777777779e-06)
     >>> ALL_REDUCE.expr
     2*S*(n - 1)/(beta*n) + 2*alpha*(n - 1)
-    >>> traced = trace(model, inputs)
+    >>> from autoshard.planner import plan_graph
+    >>> from autoshard.trace import trace
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    >>> traced = trace(model, (torch.randn(8, 16),))
+    >>> mesh = Mesh.from_shape((2, 2, 2))
     >>> costs = node_costs(traced, plan_graph(traced, mesh, "3d"), hw)   # per node of a plan
     >>> costs["linear_1"].saved_bytes, costs["linear_1"].forward_comm
     (768, {'c': 4.0002844444444445e-06, 'a': 4.000568888888888e-06, 'b': ...})

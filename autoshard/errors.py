@@ -46,3 +46,7 @@ def human_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+class CheckpointError(AutoshardError):
+    """A checkpoint that does not fit the module (or optimizer) it is loaded into."""

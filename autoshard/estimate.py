@@ -85,7 +85,8 @@ def totals(
     for fqn in (f for f, user in first_users.items() if user in members):
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
-        multiplier = optimizer if tensor.requires_grad else -2.0  # buffers: the tensor alone
+        # Buffers and frozen parameters: the tensor alone, no gradient, no optimizer state.
+        multiplier = optimizer if tensor.requires_grad else -1.0
         params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
     for inp in entering:
         layout = plan.stored_layout(inp)

@@ -12,7 +12,11 @@ calibrate` measures a profile on a live mesh and writes the same format.
     Link(alpha=4e-06, beta=450000000000.0)
     >>> hw.peak("bfloat16") / 1e12
     989.0
-    >>> Hardware.load("profile.json").save("copy.json")
+    >>> import tempfile
+    >>> copy = Path(tempfile.mkdtemp()) / "copy.json"
+    >>> hw.save(copy)
+    >>> Hardware.load(copy) == hw
+    True
 
 `DEFAULT` (``"nvlink-8"``) is the profile used when none is given.
 """

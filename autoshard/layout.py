@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # the one way to nest
 
 from autoshard.mesh import Mesh
 
@@ -83,18 +84,45 @@ class Layout:
         return tuple(s // c for s, c in zip(shape, self.shard_counts(mesh)))
 
     def placements(self, mesh: Mesh) -> tuple:
-        """One torch.distributed.tensor placement per mesh axis."""
+        """One torch.distributed.tensor placement per mesh axis, exact for any nesting:
+        DTensor shards over mesh axes in mesh order, so an axis that nests inside one
+        later in the mesh is a `_StridedShard` whose split factor is the product of
+        those later, outer axes' sizes.
+
+            >>> Layout((("b", "a"),)).placements(Mesh.from_shape((2, 2, 2)))
+            (_StridedShard(dim=0, sf=2), Shard(dim=0), Replicate())
+        """
         out = []
-        for axis in mesh.names:
+        for position, axis in enumerate(mesh.names):
             dim = self.dim_of(axis)
-            out.append(
-                Shard(dim)
-                if dim is not None
-                else Partial()
-                if axis in self.partial
-                else Replicate()
-            )
+            if dim is None:
+                out.append(Partial() if axis in self.partial else Replicate())
+                continue
+            nest = self.dims[dim]
+            later_outer = [a for a in nest[: nest.index(axis)] if mesh.index(a) > position]
+            factor = mesh.count(later_outer)
+            out.append(Shard(dim) if factor == 1 else _StridedShard(dim, split_factor=factor))
         return tuple(out)
+
+    def shard_slices(self, shape, mesh: Mesh, coord: dict[str, int]) -> list[tuple[int, int]]:
+        """Per dim, the [start, stop) of the global tensor the rank at `coord` holds.
+
+        Axes splitting one dim nest outer to inner: with (x, y) the chunk index is
+        ``coord[x] * size(y) + coord[y]`` of ``size(x) * size(y)`` equal chunks.
+
+            >>> Layout((("b", "a"),)).shard_slices((8,), Mesh.from_shape((2, 2, 2)),
+            ...                                    {"a": 1, "b": 0, "c": 0})
+            [(2, 4)]
+        """
+        out = []
+        for size, axes in zip(shape, self.dims):
+            index, count = 0, 1
+            for axis in axes:
+                index = index * mesh.size(axis) + coord[axis]
+                count *= mesh.size(axis)
+            chunk = size // count
+            out.append((index * chunk, (index + 1) * chunk))
+        return out
 
     def __str__(self) -> str:
         parts = [f"S{d}({','.join(axes)})" for d, axes in enumerate(self.dims) if axes]

@@ -7,6 +7,10 @@ how its input is stored, and every other op follows its inputs. Parameters
 are stored the way their first consumer wants them; inputs arrive whole on
 every rank and are split on entry the way the first 3D linear reads them.
 
+    >>> from autoshard.trace import trace
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    >>> traced = trace(model, (torch.randn(8, 16),))
     >>> plan = plan_graph(traced, Mesh.from_shape((2, 2, 2)), "3d")
     >>> plan.nodes["linear"].strategy.detail
     'M=a K=c N=b'

@@ -27,7 +27,9 @@ Workers are started with the ``spawn`` method, so the function, its arguments an
 result are pickled: define job functions at module level, and guard a script's entry point
 with ``if __name__ == "__main__":``. A job that raises on any rank, a worker that dies, and
 a job that does not finish within ``timeout_s`` all surface as :class:`RankError`; in the
-last two cases the pool is restarted so that the next :meth:`RankPool.run` works.
+last two cases the pool is restarted so that the next :meth:`RankPool.run` works. Starting
+the workers has its own, longer limit (``start_timeout_s``): importing torch alone can take
+tens of seconds on a loaded machine, which says nothing about how long a job may take.
 """
 
 import atexit
@@ -87,15 +89,20 @@ class RankPool:
 
     Args:
         world_size: number of worker processes (ranks) in the process group.
-        timeout_s: how long the pool waits for its workers to start and for each job to
-            finish; also the gloo timeout of every collective.
+        timeout_s: how long the pool waits for each job to finish.
+        start_timeout_s: how long it waits for its workers to start and join the process
+            group (at start and at each restart). The larger of the two is the gloo
+            timeout of the rendezvous and of every collective.
     """
 
-    def __init__(self, world_size: int = 8, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, world_size: int = 8, timeout_s: float = 120.0, start_timeout_s: float = 300.0
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be positive, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
         self._ctx = mp.get_context("spawn")
         self._procs: list[BaseProcess] = []
         self._tasks: list[Queue] = []
@@ -138,7 +145,7 @@ class RankPool:
         self._last_job += 1
         for tasks in self._tasks:
             tasks.put((self._last_job, shape, payload))
-        answers, waited = self._collect(self._last_job)
+        answers, waited = self._collect(self._last_job, self.timeout_s)
 
         failures = {rank: text for rank, (ok, text) in answers.items() if not ok}
         missing = tuple(rank for rank in range(self.world_size) if rank not in answers)
@@ -176,12 +183,13 @@ class RankPool:
 
     def _start(self) -> None:
         port = _free_port()
+        gloo_timeout = max(self.timeout_s, self.start_timeout_s)
         self._results = self._ctx.Queue()
         self._tasks = [self._ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             self._ctx.Process(
                 target=_worker,
-                args=(rank, self.world_size, port, self.timeout_s, tasks, self._results),
+                args=(rank, self.world_size, port, gloo_timeout, tasks, self._results),
                 kwargs={"parent_pid": os.getpid()},
                 name=f"autoshard-rank-{rank}",
                 daemon=True,
@@ -190,7 +198,7 @@ class RankPool:
         ]
         for proc in self._procs:
             proc.start()
-        answers, waited = self._collect(_READY)
+        answers, waited = self._collect(_READY, self.start_timeout_s)
         failures = {rank: text for rank, (ok, text) in answers.items() if not ok}
         missing = tuple(rank for rank in range(self.world_size) if rank not in answers)
         if failures or missing:
@@ -215,7 +223,7 @@ class RankPool:
             if proc.exitcode is not None
         }
 
-    def _collect(self, job_id: int) -> tuple[dict[int, _Answer], str]:
+    def _collect(self, job_id: int, timeout_s: float) -> tuple[dict[int, _Answer], str]:
         """Gather every worker's answer to ``job_id``, in arrival order.
 
         Stops early when a worker dies, when ``timeout_s`` has passed, or
@@ -224,8 +232,8 @@ class RankPool:
         saying how long it waited, for error messages.
         """
         answers: dict[int, _Answer] = {}
-        deadline = time.monotonic() + self.timeout_s
-        waited = f"within {self.timeout_s:g} s"
+        deadline = time.monotonic() + timeout_s
+        waited = f"within {timeout_s:g} s"
         while len(answers) < self.world_size:
             now = time.monotonic()
             if now >= deadline or not all(proc.is_alive() for proc in self._procs):

@@ -41,6 +41,7 @@ class Traced:
     out_spec: pytree.TreeSpec
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
     aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
+    transient: frozenset[str] = frozenset()  # FQNs not in the model's state_dict (non-persistent)
     inputs: tuple[InputSpec, ...] = ()  # what each example input was, in placeholder order
     signature: inspect.Signature | None = field(default=None, repr=False)  # of model.forward
 
@@ -101,6 +102,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     graph_module = fx.GraphModule(parameters, graph)
     out_spec = exported.call_spec.out_spec
     shapes = tuple(tuple(t.shape) for t in example_inputs)
+    transient = frozenset(signature.non_persistent_buffers) | frozenset(
+        signature.inputs_to_lifted_tensor_constants.values()
+    )
     specs = tuple(
         InputSpec(name, tuple(t.shape), t.dtype, t.device) for name, t in zip(names, example_inputs)
     )
@@ -110,8 +114,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         out_spec,
         parameters,
         {f: aliases[f] for f in attrs},
-        specs,
-        forward_signature,
+        transient,
+        inputs=specs,
+        signature=forward_signature,
     )
 
 

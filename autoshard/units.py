@@ -4,8 +4,15 @@ the rest of the model before the first block and after the last.
 A unit takes one decision (its layout family, whether it is recomputed), and
 memory is tracked unit by unit: what each keeps until its backward runs.
 
-    >>> units_of(traced, plan)["linear_4"]
-    'blocks.1#1'
+    >>> import torch
+    >>> from torch import nn
+    >>> from autoshard.mesh import Mesh
+    >>> from autoshard.planner import plan_graph
+    >>> from autoshard.trace import trace
+    >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)))
+    >>> traced = trace(model, (torch.randn(4, 8),))
+    >>> units_of(traced, plan_graph(traced, Mesh.from_shape((2, 2, 2)), "3d"))["relu_1"]
+    '1#1'
 """
 
 from __future__ import annotations

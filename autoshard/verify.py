@@ -9,9 +9,15 @@ divides the shapes it splits, and the steps into and out of each node turn the
 stored layouts into the ones the node reads and stores. A hand-edited layout
 fails one of these and names the node.
 
+    >>> import autoshard
+    >>> from autoshard.trace import trace
+    >>> model, x = torch.nn.Linear(16, 8), torch.randn(8, 16)
     >>> plan = autoshard.plan(model, (2, 2, 2), (x,))
-    >>> check_plan(plan, trace(model, (x,)))           # passes
-    >>> check_plan(plan, trace(other_model, (x,)))     # PlanError naming the first difference
+    >>> check_plan(plan, trace(model, (x,)))  # the model it was made for: passes
+    >>> check_plan(plan, trace(torch.nn.Linear(16, 4), (x,)))
+    Traceback (most recent call last):
+    ...
+    autoshard.errors.PlanError: the plan was made for another model: graph node 0 is ...
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from autoshard.cli import main, parse_mesh, rank_coordinate, shard_slices, slice_text
+from autoshard.cli import main, parse_mesh, rank_coordinate, slice_text
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 
@@ -125,7 +125,7 @@ def test_helpers():
     assert rank_coordinate(mesh, 6) == {"a": 1, "b": 1, "c": 0}
     layout = Layout((("b", "a"), ("c",)))
     coord = rank_coordinate(mesh, 5)  # a=1, b=0, c=1: row chunk 0*2+1 = 1
-    slices = shard_slices((64, 16), layout, mesh, coord)
+    slices = layout.shard_slices((64, 16), mesh, coord)
     assert slices == [(16, 32), (8, 16)]
     assert slice_text((64, 16), slices) == "rows 16:32, cols 8:16"
     assert slice_text((16,), [(0, 16)]) == "all"
@@ -151,3 +151,46 @@ def test_show_a_12_layer_gpt(capsys):
     for block in range(12):
         assert f"blocks.{block}." in plan
     assert "vocab-parallel" in plan and "batch and heads" in plan
+
+
+def _show_flags() -> set[str]:
+    from autoshard.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command")
+    show_parser = commands.choices["show"]
+    return {o for a in show_parser._actions for o in a.option_strings if o.startswith("--")}
+
+
+def test_every_show_flag_reaches_the_planner(capsys, monkeypatch):
+    # Each planning flag, set away from its default, arrives at plan_model as given;
+    # the display flags change only what is printed. A new flag must join one list.
+    from autoshard import solver
+
+    received = {}
+    real = solver.plan_model
+
+    def spy(traced, mesh, **settings):
+        received.update(settings, mesh=mesh)
+        return real(traced, mesh, **settings)
+
+    monkeypatch.setattr(solver, "plan_model", spy)
+    planning = {
+        "--mesh": ("1x2x4", lambda got: got["mesh"] == Mesh.from_shape((1, 2, 4))),
+        "--strategy": ("3d-allreduce", lambda got: got["strategy"] == "3d-allreduce"),
+        "--budget": ("1GiB", lambda got: got["memory_budget"] == 2**30),
+        "--space": ("all", lambda got: got["strategy_space"] == "all"),
+        "--hardware": ("ib-cluster", lambda got: got["hardware"].name == "ib-cluster"),
+    }
+    display = {"--rank": "3", "--no-code": None}
+    assert _show_flags() == {"--help", *planning, *display}
+    args = ["--mesh", "1x2x4"]
+    for flag, (value, check) in planning.items():
+        received.clear()
+        extra = [] if flag == "--mesh" else [flag, value]
+        if flag == "--budget":
+            extra += ["--strategy", "3d"]  # a budget takes a single family or the solver
+        show(capsys, *args, *extra, "--no-code")
+        assert check(received), (flag, received)
+    assert "rank 3's program" in show(capsys, *args, "--rank", "3")
+    assert "rank 0's program" not in show(capsys, *args, "--no-code")

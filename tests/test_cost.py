@@ -246,3 +246,29 @@ def test_gpt_layer_activations_match_korthikanti():
     # (the attention probabilities a·s²·b and the two h-wide dropouts s·b·h each).
     as_lowered = sum(saved_bytes(n, *_shapes(n)) for n in nodes)
     assert as_lowered - total == a * s * s * b + 2 * s * b * h
+
+
+class _Scaled(nn.Module):
+    """A linear scaled by one entry of a buffer (and of a frozen parameter) of `n` floats."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("table", torch.ones(n))
+        self.frozen = nn.Parameter(torch.ones(n), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.table[0] * self.frozen[0]
+
+
+def test_buffers_and_frozen_parameters_count_once_in_the_peak():
+    # Neither has a gradient nor optimizer state: each costs its own bytes, on every
+    # rank (they are replicated), and nothing else in the plan changes with their size.
+    big, small = 1 << 16, 1
+    x = torch.randn(8, 16)
+    mesh, hardware = (2, 2, 2), Hardware.load("nvlink-8")
+    peaks = [
+        autoshard.plan(_Scaled(n), mesh, (x,), strategy="3d", hardware=hardware).cost.peak_memory
+        for n in (big, small)
+    ]
+    assert peaks[0] - peaks[1] == 2 * (big - small) * 4  # 256 KiB each, float32

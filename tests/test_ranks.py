@@ -102,3 +102,11 @@ def test_dead_or_hung_rank_restarts_the_pool():
             pool.run(_crash_or_hang, (2,), "hang")
         assert pool.run(_axis_sum, (2,), "a") == [1, 1]
     assert pool.closed
+
+
+def test_start_up_has_its_own_timeout():
+    # Spawning a worker and importing torch takes longer than this job limit; the pool
+    # starts anyway, since start-up waits for start_timeout_s instead.
+    with RankPool(world_size=2, timeout_s=0.5, start_timeout_s=300.0) as pool:
+        assert not pool.closed
+        assert pool.timeout_s == 0.5

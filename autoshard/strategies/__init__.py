@@ -110,8 +110,17 @@ _REGISTRY: dict[object, Rule] = {}
 
 
 def register(*ops) -> Callable[[Rule], Rule]:
+    """Register `rule` for each of `ops`; an op registered twice is an error (the
+    second rule would silently replace the first)."""
+
     def wrap(rule: Rule) -> Rule:
         for op in ops:
+            if op in _REGISTRY:
+                raise ValueError(
+                    f"{op} already has the rule {_REGISTRY[op].__module__}."
+                    f"{_REGISTRY[op].__qualname__}; {rule.__module__}.{rule.__qualname__} "
+                    "cannot claim it too: one rule per op"
+                )
             _REGISTRY[op] = rule
         return rule
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies import Context, Strategy, make, register
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.views import _dim_arg, _unshard
 
@@ -52,30 +52,6 @@ def sdpa(ctx: Context) -> list[Strategy]:
                 inputs.append(aligned(scores, shape, out_shape[:3] + (shape[-1],)))
         candidates.append(make("follow", inputs, q, detail="batch and heads"))
     return candidates
-
-
-@register(aten.matmul.default, aten.bmm.default)
-def batched_matmul(ctx: Context) -> list[Strategy]:
-    """A product of two activations, [..., m, k] @ [..., k, n]: batch dims and the rows
-    m stay split as the left operand has them; k and n are gathered."""
-    from autoshard.strategies.linear import matmul
-
-    if ctx.inputs[1].op == "get_attr" and len(ctx.shape(1)) == 2:
-        return matmul(ctx)
-    a_shape, b_shape, out_shape = ctx.shape(0), ctx.shape(1), ctx.out_shape
-    if min(len(a_shape), len(b_shape)) < 2:
-        return replicated_fallback(ctx)
-    a = ctx.layout(0)
-    batch_shape = out_shape[:-2]
-    offset = len(batch_shape) - (len(a_shape) - 2)  # a's batch dims are right-aligned
-    out_batch = tuple(
-        a.dims[d - offset] if d >= offset and a_shape[d - offset] == batch_shape[d] else ()
-        for d in range(len(batch_shape))
-    )
-    out = Layout(out_batch + (a.dims[-2], ()))
-    a_need = Layout(aligned(Layout(out_batch), a_shape[:-2], batch_shape).dims + (a.dims[-2], ()))
-    b_need = Layout(aligned(Layout(out_batch), b_shape[:-2], batch_shape).dims + ((), ()))
-    return [make("follow", [a_need, b_need], out)]
 
 
 @register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)

@@ -30,6 +30,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies.pointwise import aligned
 
 
 def _layout(ndim: int, placed: list[tuple[int, tuple[str, ...]]], partial=()) -> Layout:
@@ -174,8 +175,30 @@ def addmm(ctx: Context) -> list[Strategy]:
     return matmul_candidates(ctx, x=1, w=2, bias=0, w_out_dim=1, w_in_dim=0)
 
 
-@register(aten.mm.default, aten.matmul.default)
+@register(aten.mm.default, aten.matmul.default, aten.bmm.default)
 def matmul(ctx: Context) -> list[Strategy]:
-    if len(ctx.shape(1)) != 2 or ctx.inputs[1].op != "get_attr":
-        return replicated_fallback(ctx)  # a product of activations, not a layer
-    return matmul_candidates(ctx, x=0, w=1, bias=None, w_out_dim=1, w_in_dim=0)
+    """``X @ W`` with W a 2-D parameter is a layer; any other product is of two
+    activations (`activation_product`)."""
+    if len(ctx.shape(1)) == 2 and ctx.inputs[1].op == "get_attr":
+        return matmul_candidates(ctx, x=0, w=1, bias=None, w_out_dim=1, w_in_dim=0)
+    return activation_product(ctx)
+
+
+def activation_product(ctx: Context) -> list[Strategy]:
+    """A product of two activations, [..., m, k] @ [..., k, n] (attention's q @ kᵀ and
+    p @ v): batch dims and the rows m stay split as the left operand has them; k and
+    n are gathered, so the contraction is never split."""
+    a_shape, b_shape, out_shape = ctx.shape(0), ctx.shape(1), ctx.out_shape
+    if min(len(a_shape), len(b_shape)) < 2:
+        return replicated_fallback(ctx)
+    a = ctx.layout(0)
+    batch_shape = out_shape[:-2]
+    offset = len(batch_shape) - (len(a_shape) - 2)  # a's batch dims are right-aligned
+    out_batch = tuple(
+        a.dims[d - offset] if d >= offset and a_shape[d - offset] == batch_shape[d] else ()
+        for d in range(len(batch_shape))
+    )
+    out = Layout(out_batch + (a.dims[-2], ()))
+    a_need = Layout(aligned(Layout(out_batch), a_shape[:-2], batch_shape).dims + (a.dims[-2], ()))
+    b_need = Layout(aligned(Layout(out_batch), b_shape[:-2], batch_shape).dims + ((), ()))
+    return [make("follow", [a_need, b_need], out)]

@@ -1,0 +1,85 @@
+"""One rule per op: a second registration is an error; the explicit-attention matmuls
+(q @ kᵀ, p @ v) take the activation-product rule and keep the scores split."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.ops import aten
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autoshard
+from autoshard.mesh import Mesh
+from autoshard.planner import plan_graph
+from autoshard.ranks import shared_pool
+from autoshard.strategies import register, rule_for
+from autoshard.strategies.linear import matmul
+from autoshard.testing import load_factory
+from autoshard.trace import trace
+
+GPT = Path(__file__).parents[1] / "examples/gpt.py"
+MESH = (2, 2, 2)
+
+
+def test_registering_an_op_twice_is_an_error():
+    with pytest.raises(ValueError, match="aten.matmul.default already has the rule"):
+        register(aten.matmul.default)(lambda ctx: [])
+    assert rule_for(aten.matmul.default) is matmul
+
+
+BATCH, HEADS, SEQ = 4, 4, 32  # the scores, 4·4·32·32, outsize every other tensor
+
+
+def _explicit():
+    return load_factory(f"{GPT}:gpt_explicit")(batch=BATCH, n_head=HEADS, seq=SEQ)
+
+
+def test_explicit_attention_scores_split_over_batch_and_heads():
+    model, inputs = _explicit()
+    plan = plan_graph(trace(model, inputs), Mesh.from_shape(MESH), "3d")
+    scores = [placed for placed in plan.nodes.values() if placed.op == "aten.matmul.default"]
+    assert len(scores) == 4  # q @ kᵀ and p @ v in each of two blocks
+    for placed in scores:
+        batch, heads, rows, cols = placed.strategy.stored.dims
+        assert batch and heads and not cols, (placed.name, placed.strategy.stored)
+        assert math.prod(placed.local_shape) * math.prod(MESH) == math.prod(placed.shape)
+
+
+class _Largest(TorchDispatchMode):
+    """The most elements of any tensor an op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def _largest_job(mesh):
+    torch.manual_seed(0)
+    model, inputs = _explicit()
+    serial = _Largest()
+    with serial:
+        model(*inputs).backward()
+    parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
+    rank = _Largest()
+    with rank:
+        parallel(*inputs).backward()
+    return serial.numel, rank.numel
+
+
+def test_no_rank_holds_the_whole_scores():
+    # Serially the largest tensors are the [B, heads, S, S] scores and probabilities
+    # (and their gradients). Replicated, every rank would hold them whole; split over
+    # batch and heads a rank holds an eighth, and the largest it makes is a quarter
+    # of the MLP's hidden activation, [B, S, 4·d] split over M.
+    for serial, rank in shared_pool(math.prod(MESH)).run(_largest_job, MESH):
+        assert serial == BATCH * HEADS * SEQ * SEQ
+        assert rank <= serial // 4
