@@ -201,6 +201,11 @@ def plan_from_dict(d) -> Plan:
         )
     r.mesh = Mesh(names, sizes)
     graph = r.field(d, "graph", "plan", list)
+    if not graph:
+        raise PlanError(
+            "plan.graph is empty: the plan cannot be checked against a model; save plans "
+            "made by autoshard.plan (which records the graph), or plan again"
+        )
     shapes = _graph_shapes(graph)
     nodes = {}
     for i, node in enumerate(r.field(d, "nodes", "plan", list)):

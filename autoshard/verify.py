@@ -79,7 +79,7 @@ def _entry_text(entry: list) -> str:
 def check_fingerprint(plan: Plan, traced: Traced) -> None:
     """PlanError naming the first node where the plan's graph and `traced` differ."""
     if not plan.graph:
-        return  # made in this process by the planner, never saved: checked node by node
+        return  # made in this process by the planner (Plan.load refuses it): node by node
     current = fingerprint(traced)
     for i, (saved, now) in enumerate(zip(plan.graph, current)):
         if list(saved) != now:
