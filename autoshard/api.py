@@ -6,6 +6,7 @@ parallel = autoshard.parallelize(model, mesh, (x,))     # on every rank of `mesh
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import torch
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import comm
+from autoshard import agreement, comm, sizes
+from autoshard.agreement import checksum, ranks_text
 from autoshard.cost import OPTIMIZERS
 from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.hardware import DEFAULT, Hardware
@@ -23,7 +25,8 @@ from autoshard.modes import trace_modes
 from autoshard.plan import Plan
 from autoshard.planner import inputs_planned_with_grad
 from autoshard.solver import plan_model
-from autoshard.trace import Traced
+from autoshard.trace import Traced, bind
+from autoshard.verify import check_plan, fingerprint
 from passes import ShardParameters, emit
 
 
@@ -66,13 +69,21 @@ def parallelize(
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
     plan: Plan | None = None,
+    check: bool | str = True,
 ) -> ParallelModule:
     """Rewrite `model` into the program this rank runs on `mesh` (a DeviceMesh).
 
-    Call it on every rank with the same model and inputs. The keywords are
-    `autoshard.plan`'s; `plan` applies a saved plan (`Plan.load`) without
-    solving again.
+    Call it on every rank with the same model, weights and full global inputs.
+    The keywords are `autoshard.plan`'s; `plan` applies a saved plan
+    (`Plan.load`) without solving again, once it is checked against this model
+    and mesh. `check` compares, across ranks, a checksum of every example input
+    and every weight together with the plan's hash, in one collective, and
+    names the ranks and tensors that differ (True, the default); ``"always"``
+    also compares every call's inputs (one small collective per call); False
+    compares the plan's hash only.
     """
+    if check not in (True, False, "always"):
+        raise StrategyError(f"check={check!r}: give True (the default), False or 'always'")
     _check_mesh(mesh)
     layout = Mesh.from_device_mesh(mesh)
     traced = trace_modes(model, example_inputs)
@@ -80,24 +91,28 @@ def parallelize(
         plan = _solved(traced, layout, strategy, memory_budget, hardware, strategy_space, optimizer)
     elif plan.mesh != layout:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
-    _check_same_on_every_rank(plan)
+    else:
+        check_plan(plan, traced)
+    _check_same_on_every_rank(plan, traced, example_inputs if check else None)
     program = emit(traced, plan)
     bound = comm.BoundMesh(mesh, layout)
     with comm.bound(bound):
         program = ShardParameters(plan, traced.parameters)(program)
-    return ParallelModule(program, plan, traced, bound)
+    return ParallelModule(program, plan, traced, bound, check_calls=check == "always")
 
 
 def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
-    return plan_model(
+    plan = plan_model(
         traced,
         mesh,
         strategy=strategy,
-        memory_budget=memory_budget,
+        memory_budget=sizes.memory_budget(memory_budget),
         hardware=_hardware(hardware),
         strategy_space=strategy_space,
         optimizer=_optimizer(optimizer),
     )
+    plan.graph = fingerprint(traced)
+    return plan
 
 
 def _hardware(hardware) -> Hardware:
@@ -114,17 +129,47 @@ def _optimizer(optimizer) -> float:
     return float(optimizer)
 
 
-def _check_same_on_every_rank(plan: Plan) -> None:
-    """Every rank must run the same plan: compare a hash of it across the world."""
+def _check_same_on_every_rank(plan: Plan, traced: Traced, example_inputs) -> None:
+    """Every rank must run the same plan on the same inputs and weights: compare the
+    plan's hash and, unless `example_inputs` is None, a checksum of every example
+    input and weight across the world, in one collective."""
     digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) != 1:
-        ranks = [r for r, d in enumerate(digests) if d != digests[0]]
-        raise MeshError(
-            f"ranks {ranks} planned differently from rank 0: give every rank the same model, "
-            "example inputs and settings, or pass plan=Plan.load(...) everywhere"
+    inputs, weights = {}, {}
+    if example_inputs is not None:
+        inputs = {spec.name: checksum(t) for spec, t in zip(traced.inputs, example_inputs)}
+        weights = {fqn: checksum(t) for fqn, t in traced.parameters.items()}
+    records = agreement.gathered((digest, inputs, weights))
+    for name, ranks in agreement.differing(records, 1).items():
+        raise InputError(
+            f"example input {name!r} differs on {ranks_text(ranks)} from rank 0 "
+            f"({_difference(records, 1, name, ranks[0])}): every rank must pass the same full "
+            "global batch (autoshard splits it itself), not a per-rank shard such as a "
+            "DistributedSampler gives; build the batch from the same seed or data on every rank"
         )
+    for name, ranks in agreement.differing(records, 2).items():
+        raise InputError(
+            f"weight {name!r} differs on {ranks_text(ranks)} from rank 0 "
+            f"({_difference(records, 2, name, ranks[0])}): every rank must hold the same "
+            "model: build it after the same torch.manual_seed on every rank, or load the "
+            "same checkpoint everywhere, before parallelize"
+        )
+    ranks = [r for r, record in enumerate(records) if record[0] != digest]
+    if ranks:
+        raise MeshError(
+            f"{ranks_text(ranks)} planned differently from rank 0: give every rank the same "
+            "model, example inputs and settings, or pass plan=Plan.load(...) everywhere"
+        )
+
+
+def _difference(records: list, key: int, name: str, rank: int) -> str:
+    """How tensor `name` on `rank` differs from rank 0's: its shape, dtype or values."""
+    shape, dtype, _ = records[0][key][name]
+    theirs = records[rank][key].get(name)
+    if theirs is None:
+        return f"rank {rank} has no such tensor"
+    if theirs[:2] != (shape, dtype):
+        return f"{theirs[1]}{list(theirs[0])} on rank {rank}, {dtype}{list(shape)} on rank 0"
+    return "same shape, other values"
 
 
 def _check_mesh(mesh) -> None:
@@ -147,12 +192,21 @@ class ParallelModule(torch.nn.Module):
     model's FQNs; call it with the full global inputs on every rank and get
     the full outputs back on every rank."""
 
-    def __init__(self, program: fx.GraphModule, plan: Plan, traced: Traced, mesh: comm.BoundMesh):
+    def __init__(
+        self,
+        program: fx.GraphModule,
+        plan: Plan,
+        traced: Traced,
+        mesh: comm.BoundMesh,
+        check_calls: bool = False,
+    ):
         super().__init__()
         object.__setattr__(self, "program", program)  # not a child: its parameters are ours
         self.plan = plan
         self._mesh = mesh
-        self._input_shapes = traced.input_shapes
+        self._traced_inputs = traced.inputs
+        self._signature = traced.signature
+        self._check_calls = check_calls
         self._aliases = traced.aliases
         self._transient = traced.transient
         self._out_spec = traced.out_spec
@@ -176,21 +230,18 @@ class ParallelModule(torch.nn.Module):
         self.program.train(mode)
         return self
 
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
         if self.training in self._refused_modes:
             raise InputError(
                 f"this module cannot run in {'train' if self.training else 'eval'} mode: "
                 f"{self._refused_modes[self.training]}; parallelize the model again in that "
                 f"mode (model.{'train' if self.training else 'eval'}())"
             )
-        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
-        if shapes != self._input_shapes:
-            raise InputError(
-                f"inputs of shapes {list(shapes)} differ from the example inputs "
-                f"{list(self._input_shapes)} this module was planned for; parallelize again "
-                "with examples of the new shapes"
-            )
+        inputs = bind(self._signature, self._traced_inputs, args, kwargs)
+        self._check_inputs(inputs)
         self._check_input_grads(inputs)
+        if self._check_calls:
+            self._check_inputs_agree(inputs)
         with comm.bound(self._mesh):
             outputs = self.program(*inputs)
         return pytree.tree_unflatten(list(outputs), self._out_spec)
@@ -206,6 +257,55 @@ class ParallelModule(torch.nn.Module):
                     "input that does not, so its gradient would not be summed over the mesh; "
                     "give parallelize (and autoshard.plan) the example with requires_grad_(True)"
                 )
+
+    def _check_inputs(self, inputs: list) -> None:
+        """Call-time inputs must be what the module was planned for: shapes, dtypes, devices."""
+        specs = self._traced_inputs
+        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
+        if shapes != tuple(spec.shape for spec in specs):
+            batch = len(shapes) == len(specs) and all(
+                s is not None and s[1:] == spec.shape[1:] for s, spec in zip(shapes, specs)
+            )
+            hint = (
+                " (a smaller last batch: DataLoader(drop_last=True), or a second "
+                "parallelize for that batch size)"
+                if batch
+                else ""
+            )
+            raise InputError(
+                f"inputs of shapes {list(shapes)} differ from the example inputs "
+                f"{[spec.shape for spec in specs]} this module was planned for; parallelize "
+                f"again with examples of the new shapes{hint}"
+            )
+        for t, spec in zip(inputs, specs):
+            planned_device = spec.device.type == "meta" or t.device == spec.device
+            if t.dtype != spec.dtype or not planned_device:
+                raise InputError(
+                    f"input {spec.name!r} is {str(t.dtype).removeprefix('torch.')} on {t.device}; "
+                    f"this module was planned for {str(spec.dtype).removeprefix('torch.')} on "
+                    f"{spec.device}: convert it (x.to(dtype, device)) or parallelize with "
+                    "examples like it"
+                )
+
+    def _check_inputs_agree(self, inputs: list) -> None:
+        """check="always": every rank must call with the same inputs (one collective)."""
+        names = [spec.name for spec in self._traced_inputs]
+        records = agreement.gathered((None, dict(zip(names, map(checksum, inputs)))))
+        for name, ranks in agreement.differing(records, 1).items():
+            raise InputError(
+                f"call-time input {name!r} differs on {ranks_text(ranks)} from rank 0: every "
+                "rank must pass the same full global batch (autoshard splits it itself)"
+            )
+
+    def __deepcopy__(self, memo):
+        """A copy with its own parameters on the same mesh: the process groups are
+        shared, not copied (they cannot be; the copy runs on the same ranks)."""
+        memo[id(self._mesh)] = self._mesh
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__dict__.items():
+            object.__setattr__(clone, key, copy.deepcopy(value, memo))
+        return clone
 
     def _gathered(
         self, tensors: dict[str, torch.Tensor | None], rank0_only: bool = False

@@ -45,6 +45,7 @@ from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.plan import Plan
 from autoshard.planner import default_split
+from autoshard.sizes import memory_budget
 from autoshard.strategies import FAMILIES, Strategy
 
 EXIT_USAGE = 2
@@ -182,26 +183,6 @@ def strategy_text(strategy: Strategy, recomputed: bool = False) -> Text:
     if recomputed:
         text.append(" ↺ recomputed", style="magenta")
     return text
-
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> float:
-    """'80GiB', '512MiB', '1.5e9' → bytes."""
-    number = text.strip().lower()
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if unit and number.endswith(unit):
-            number, scale = number[: -len(unit)], _UNITS[unit]
-            break
-    else:
-        scale = 1
-    try:
-        return float(number) * scale
-    except ValueError:
-        raise UsageError(
-            f"--budget {text!r} is not a size: write e.g. 80GiB, 512MiB or 1e9"
-        ) from None
 
 
 def rank_coordinate(mesh: Mesh, rank: int) -> dict[str, int]:
@@ -456,7 +437,7 @@ def show(args, console: Console) -> None:
     shape = parse_mesh(args.mesh)
     mesh = Mesh.from_shape(shape)
     strategy = parse_strategy(args.strategy) if args.strategy else None
-    budget = parse_bytes(args.budget) if args.budget else None
+    budget = memory_budget(args.budget)
     hardware = _hardware(args.hardware)
     if not 0 <= args.rank < mesh.world_size:
         raise UsageError(
@@ -480,6 +461,10 @@ def show(args, console: Console) -> None:
     console.print()
     console.print(_cost_table(plan, hardware.name, budget))
     console.print()
+    for unit, reason in plan.reasons.items():  # the solver's word on what it left replicated
+        console.print(Text(f"{unit}: {reason}", style="yellow"))
+    if plan.reasons:
+        console.print()
     inputs = dict(zip(plan.entry_steps, traced.input_shapes))  # both in placeholder order
     console.print(_plan_table(plan, inputs, console.width))
     console.print(_comm_table(plan))

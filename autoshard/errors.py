@@ -18,7 +18,7 @@ class ShapeError(AutoshardError):
 
 
 class InputError(AutoshardError):
-    """Call-time inputs differ from the example inputs the module was planned for."""
+    """Inputs or weights differ from what the module was planned for, or across ranks."""
 
 
 class StrategyError(AutoshardError):
@@ -30,7 +30,11 @@ class HardwareError(AutoshardError):
 
 
 class BudgetError(AutoshardError):
-    """No plan fits the memory budget."""
+    """No plan fits the memory budget, or the budget is not a size."""
+
+
+class PlanError(AutoshardError):
+    """A saved plan is malformed, or was made for another model or mesh."""
 
 
 def human_bytes(n: float) -> str:

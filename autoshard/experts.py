@@ -8,7 +8,7 @@ it the same in every process) is that product on the parameter itself, so that
 the rule for it (`strategies/experts.py`) decides how the parameter is stored.
 It is composite: autograd differentiates the product it is made of.
 
-    >>> grouped_mm_nt(x, weight, offs)   # == grouped_mm_fallback(x, weight.transpose(1, 2), offs)
+    grouped_mm_nt(x, weight, offs)   # == grouped_mm_fallback(x, weight.transpose(1, 2), offs)
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ calibrate` measures a profile on a live mesh and writes the same format.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -54,6 +55,32 @@ class Hardware:
     axes: tuple[Link, ...]  # one per mesh axis a, b, c
     source: str = ""  # where the numbers come from
 
+    def __post_init__(self) -> None:
+        """Refuse numbers the cost model cannot use: a negative β predicts negative
+        step times, an efficiency of 0 divides by zero."""
+        positive = {f"peak_flops[{k!r}]": v for k, v in self.peak_flops.items()}
+        positive |= {"memory_bandwidth": self.memory_bandwidth}
+        positive |= {"memory_per_device": self.memory_per_device}
+        positive |= {f"axes[{i}].beta": link.beta for i, link in enumerate(self.axes)}
+        at_least_zero = {"launch_floor": self.launch_floor}
+        at_least_zero |= {f"axes[{i}].alpha": link.alpha for i, link in enumerate(self.axes)}
+        where = f"hardware profile {self.name!r}"
+        for name, value in positive.items():
+            if not (math.isfinite(value) and value > 0):
+                raise HardwareError(f"{where}: {name} = {value} must be a positive finite number")
+        for name, value in at_least_zero.items():
+            if not (math.isfinite(value) and value >= 0):
+                raise HardwareError(f"{where}: {name} = {value} must be a finite number ≥ 0")
+        if not (0 < self.efficiency <= 1):
+            raise HardwareError(
+                f"{where}: efficiency = {self.efficiency} must be in (0, 1], the fraction of peak "
+                "FLOP/s and bandwidth real ops reach (e.g. 0.7)"
+            )
+        if "float32" not in self.peak_flops:
+            raise HardwareError(
+                f"{where}: peak_flops needs a 'float32' entry (other dtypes fall back to it)"
+            )
+
     def peak(self, dtype: torch.dtype | str) -> float:
         """Peak FLOP/s for `dtype`; dtypes without an entry (integers, bool) use float32's."""
         name = str(dtype).removeprefix("torch.")
@@ -81,6 +108,8 @@ class Hardware:
                 axes=tuple(Link(float(a["alpha"]), float(a["beta"])) for a in data["axes"]),
                 source=str(data.get("source", "")),
             )
+        except HardwareError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HardwareError(
                 f"malformed hardware profile {data.get('name', '?')!r}: {type(e).__name__}: {e}; "

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autoshard.cost import Cost
+from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.strategies import Strategy
@@ -60,6 +61,11 @@ class Plan:
     regions: dict[str, str] = field(default_factory=dict)  # node → checkpoint region it is in
     choices: dict[str, str] = field(default_factory=dict)  # unit → option the solver chose
     cost: Cost | None = None
+    graph: list = field(default_factory=list)  # the graph it was made for (`fingerprint`)
+    reasons: dict[str, str] = field(default_factory=dict)  # unit → why the solver chose so
+    # node → why it left its family for the next (planner fallback); the solver's plan
+    # copies the notes of the nodes it keeps into `warnings`, so this is not saved
+    fallbacks: dict[str, str] = field(default_factory=dict, compare=False)
 
     def stored_layout(self, node) -> Layout | None:
         """How the value of fx node `node` is stored: a placed node's output, or an
@@ -73,15 +79,27 @@ class Plan:
         return json.dumps(plan_to_dict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return plan_from_dict(json.loads(text))
+    def from_json(cls, text: str, where: str = "text") -> Plan:
+        """The plan `to_json` wrote; PlanError naming the field if anything is off."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(
+                f"plan {where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                "a truncated file reads so: save the plan again"
+            ) from None
+        return plan_from_dict(data)
 
     def save(self, path) -> None:
         Path(path).write_text(self.to_json())
 
     @classmethod
     def load(cls, path) -> Plan:
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read a plan from {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text, repr(str(path)))
 
     def predicted_comm(self) -> dict[tuple[str, str, str, str], int]:
         """Bytes per (node, kind, axis, phase) that running one step will log."""
@@ -103,20 +121,13 @@ class Plan:
 
 
 # JSON (no pickle): plans are saved, read by people, and applied without solving again.
+# Reading checks every field and names the one at fault (``plan.nodes[3].strategy.stored``).
 
-
-def _layout(data) -> Layout | None:
-    if data is None:
-        return None
-    return Layout(tuple(tuple(d) for d in data["dims"]), tuple(data["partial"]))
+SCHEMA_VERSION = 2  # 2: the graph fingerprint; plans before it cannot be checked
 
 
 def _layout_dict(layout: Layout | None):
     return None if layout is None else {"dims": layout.dims, "partial": layout.partial}
-
-
-def _step(data) -> Step:
-    return Step(**data)
 
 
 def _strategy_dict(s: Strategy) -> dict:
@@ -137,24 +148,6 @@ def _strategy_dict(s: Strategy) -> dict:
     }
 
 
-def _strategy(d: dict) -> Strategy:
-    return Strategy(
-        family=d["family"],
-        inputs=tuple(_layout(x) for x in d["inputs"]),
-        output=_layout(d["output"]),
-        stored=_layout(d["stored"]),
-        grad_partial=tuple(frozenset(g) for g in d["grad_partial"]),
-        storage=tuple(_layout(x) for x in d["storage"]),
-        epilogue=tuple(d["epilogue"]),
-        lowering=d["lowering"],
-        internal=tuple(_step(x) for x in d["internal"]),
-        outputs=tuple(_layout(x) for x in d["outputs"]),
-        detail=d["detail"],
-        split_weight=d.get("split_weight"),  # plans saved before the knobs lack both
-        regather=tuple(d.get("regather", ())),
-    )
-
-
 def _node_dict(n: NodePlan) -> dict:
     return {
         "name": n.name,
@@ -170,24 +163,11 @@ def _node_dict(n: NodePlan) -> dict:
     }
 
 
-def _node(d: dict) -> NodePlan:
-    return NodePlan(
-        name=d["name"],
-        op=d["op"],
-        module=d["module"],
-        shape=tuple(d["shape"]),
-        local_shape=tuple(d["local_shape"]),
-        strategy=_strategy(d["strategy"]),
-        input_steps=tuple(tuple(_step(s) for s in steps) for steps in d["input_steps"]),
-        output_steps=tuple(_step(s) for s in d["output_steps"]),
-        input_needs_grad=tuple(d["input_needs_grad"]),
-        needs_grad=d["needs_grad"],
-    )
-
-
 def plan_to_dict(plan: Plan) -> dict:
     return {
+        "version": SCHEMA_VERSION,
         "mesh": {"names": plan.mesh.names, "sizes": plan.mesh.sizes},
+        "graph": plan.graph,
         "nodes": [_node_dict(n) for n in plan.nodes.values()],
         # by name: a model may meet its buffers in an order that differs between
         # processes (iterating a set), and every rank must hash the same text
@@ -197,19 +177,267 @@ def plan_to_dict(plan: Plan) -> dict:
         "warnings": plan.warnings,
         "regions": plan.regions,
         "choices": plan.choices,
+        "reasons": plan.reasons,
         "cost": plan.cost.to_dict() if plan.cost else None,
     }
 
 
-def plan_from_dict(d: dict) -> Plan:
-    return Plan(
-        mesh=Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"])),
-        nodes={n["name"]: _node(n) for n in d["nodes"]},
-        storage={k: _layout(v) for k, v in d["storage"].items()},
-        entry_steps={k: tuple(_step(s) for s in v) for k, v in d["entry_steps"].items()},
-        output_steps=tuple(tuple(_step(s) for s in steps) for steps in d["output_steps"]),
-        warnings=list(d["warnings"]),
-        regions=dict(d["regions"]),
-        choices=dict(d["choices"]),
-        cost=Cost.from_dict(d["cost"]) if d["cost"] else None,
+def plan_from_dict(d) -> Plan:
+    version = d.get("version") if isinstance(d, dict) else None
+    if version != SCHEMA_VERSION:
+        older = version is None or (isinstance(version, int) and version < SCHEMA_VERSION)
+        raise PlanError(
+            f"plan saved by an {'older' if older else 'other'} autoshard (schema version "
+            f"{version or 1}, this one reads {SCHEMA_VERSION}): it cannot be checked against "
+            "the model it was made for; plan again (autoshard.plan(...).save(path))"
+        )
+    r = _Reader()
+    mesh_data = r.field(d, "mesh", "plan", dict)
+    names = tuple(r.items(r.field(mesh_data, "names", "plan.mesh", list), "plan.mesh.names", str))
+    sizes = tuple(
+        r.items(r.field(mesh_data, "sizes", "plan.mesh.sizes", list), "plan.mesh.sizes", int)
     )
+    if len(names) != 3 or len(sizes) != 3 or len(set(names)) != 3 or min(sizes) < 1:
+        raise PlanError(
+            f"plan.mesh must name three distinct axes of positive sizes, not {names} {sizes}"
+        )
+    r.mesh = Mesh(names, sizes)
+    graph = r.field(d, "graph", "plan", list)
+    if not graph:
+        raise PlanError(
+            "plan.graph is empty: the plan cannot be checked against a model; save plans "
+            "made by autoshard.plan (which records the graph), or plan again"
+        )
+    shapes = _graph_shapes(graph)
+    nodes = {}
+    for i, node in enumerate(r.field(d, "nodes", "plan", list)):
+        placed = r.node(node, f"plan.nodes[{i}]")
+        nodes[placed.name] = placed
+    storage = {}
+    for name, layout in r.field(d, "storage", "plan", dict).items():
+        path = f"plan.storage[{name!r}]"
+        storage[name] = r.layout(layout, path)
+        if graph and name not in shapes:
+            raise PlanError(f"{path}: the plan's graph has no input or parameter {name!r}")
+        r.divides(storage[name], shapes.get(name), path)
+    entry = {
+        name: tuple(r.steps(steps, f"plan.entry_steps[{name!r}]"))
+        for name, steps in r.field(d, "entry_steps", "plan", dict).items()
+    }
+    outputs = tuple(
+        tuple(r.steps(steps, f"plan.output_steps[{i}]"))
+        for i, steps in enumerate(r.field(d, "output_steps", "plan", list))
+    )
+    regions = r.strings(r.field(d, "regions", "plan", dict), "plan.regions")
+    unknown = sorted(set(regions) - set(nodes))
+    if unknown:
+        raise PlanError(f"plan.regions names nodes the plan does not have: {unknown[:5]}")
+    cost = r.field(d, "cost", "plan", (dict, type(None)))
+    try:
+        cost = Cost.from_dict(cost) if cost is not None else None
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanError(f"plan.cost is malformed ({type(e).__name__}: {e})") from None
+    return Plan(
+        mesh=r.mesh,
+        nodes=nodes,
+        storage=storage,
+        entry_steps=entry,
+        output_steps=outputs,
+        warnings=r.items(r.field(d, "warnings", "plan", list), "plan.warnings", str),
+        regions=regions,
+        choices=r.strings(r.field(d, "choices", "plan", dict), "plan.choices"),
+        cost=cost,
+        graph=graph,
+        reasons=r.strings(r.field(d, "reasons", "plan", dict), "plan.reasons"),
+    )
+
+
+def _graph_shapes(graph: list) -> dict[str, tuple[int, ...]]:
+    """Input and parameter name → shape, from a plan's graph fingerprint."""
+    out = {}
+    for i, entry in enumerate(graph):
+        if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str)):
+            raise PlanError(f"plan.graph[{i}] must be [name, op, arguments, dtype, shape]")
+        name, op, _, _, shape = entry
+        if op in ("input", "parameter"):
+            if not (isinstance(shape, list) and all(isinstance(s, int) for s in shape)):
+                raise PlanError(f"plan.graph[{i}] ({name!r}): its shape must be a list of sizes")
+            out[name] = tuple(shape)
+    return out
+
+
+_STEP_KINDS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "split",
+    "grad_all_reduce",
+    "to_partial",
+)
+_BACKWARDS = ("split", "reduce_scatter", "all_gather", "all_reduce", "identity")
+
+
+class _Reader:
+    """Typed reads of the plan's JSON: each names the field it reads when it fails."""
+
+    mesh: Mesh
+
+    @staticmethod
+    def check(value, path: str, kind):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        ok = isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
+        if not ok:
+            names = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+            want = " or ".join(names.get(k, k.__name__) for k in kinds)
+            raise PlanError(f"{path} must be {want}, not {json.dumps(value)[:60]}")
+        return value
+
+    def field(self, data, key: str, path: str, kind):
+        self.check(data, path, dict)
+        if key not in data:
+            raise PlanError(f"{path}.{key} is missing")
+        return self.check(data[key], f"{path}.{key}", kind)
+
+    def items(self, values, path: str, kind) -> list:
+        return [self.check(v, f"{path}[{i}]", kind) for i, v in enumerate(values)]
+
+    def strings(self, data: dict, path: str) -> dict[str, str]:
+        return {k: self.check(v, f"{path}[{k!r}]", str) for k, v in data.items()}
+
+    def axis(self, value, path: str) -> str:
+        if value not in self.mesh.names:
+            raise PlanError(
+                f"{path} names mesh axis {value!r}; the plan's mesh has {list(self.mesh.names)}"
+            )
+        return value
+
+    def layout(self, data, path: str) -> Layout | None:
+        if data is None:
+            return None
+        dims = self.field(data, "dims", path, list)
+        axes = [
+            tuple(
+                self.axis(a, f"{path}.dims[{d}][{j}]")
+                for j, a in enumerate(self.check(dim, f"{path}.dims[{d}]", list))
+            )
+            for d, dim in enumerate(dims)
+        ]
+        partial = self.field(data, "partial", path, list)
+        partial = tuple(self.axis(a, f"{path}.partial[{j}]") for j, a in enumerate(partial))
+        used = [a for dim in axes for a in dim] + list(partial)
+        if len(used) != len(set(used)):
+            raise PlanError(f"{path} uses a mesh axis twice ({used})")
+        return Layout(tuple(axes), partial)
+
+    def layouts(self, data, path: str) -> tuple:
+        return tuple(
+            self.layout(x, f"{path}[{i}]") for i, x in enumerate(self.check(data, path, list))
+        )
+
+    def step(self, data, path: str) -> Step:
+        kind = self.field(data, "kind", path, str)
+        if kind not in _STEP_KINDS:
+            raise PlanError(f"{path}.kind {kind!r} is not one of {', '.join(_STEP_KINDS)}")
+        axis = self.axis(self.field(data, "axis", path, str), f"{path}.axis")
+        dim = self.field(data, "dim", path, (int, type(None)))
+        backward = self.field(data, "backward", path, str)
+        if backward not in _BACKWARDS:
+            raise PlanError(f"{path}.backward {backward!r} is not one of {', '.join(_BACKWARDS)}")
+        nbytes = self.field(data, "nbytes", path, int)
+        group = self.field(data, "group_size", path, int)
+        if group != self.mesh.size(axis):
+            raise PlanError(
+                f"{path}.group_size {group} is not the size {self.mesh.size(axis)} of axis {axis!r}"
+            )
+        extra = sorted(set(data) - {"kind", "axis", "dim", "backward", "nbytes", "group_size"})
+        if extra:
+            raise PlanError(f"{path} has unknown fields {extra}")
+        return Step(kind, axis, dim, backward, nbytes, group)
+
+    def steps(self, data, path: str) -> list[Step]:
+        return [self.step(x, f"{path}[{i}]") for i, x in enumerate(self.check(data, path, list))]
+
+    def divides(self, layout: Layout | None, shape, path: str) -> None:
+        if layout is None or shape is None:
+            return
+        if layout.ndim != len(shape):
+            raise PlanError(
+                f"{path} lays out {layout.ndim} dims, the tensor has shape {list(shape)}"
+            )
+        problem = layout.indivisible(shape, self.mesh)
+        if problem:
+            raise PlanError(f"{path} ({layout}) cannot split shape {list(shape)}: {problem}")
+
+    def strategy(self, d, path: str) -> Strategy:
+        family = self.field(d, "family", path, str)  # a rule's own name for it ("follow")
+        grad = self.field(d, "grad_partial", path, list)
+        return Strategy(
+            family=family,
+            inputs=self.layouts(self.field(d, "inputs", path, list), f"{path}.inputs"),
+            output=self.layout(self.field(d, "output", path, (dict, type(None))), f"{path}.output"),
+            stored=self.layout(self.field(d, "stored", path, (dict, type(None))), f"{path}.stored"),
+            grad_partial=tuple(
+                frozenset(
+                    self.axis(a, f"{path}.grad_partial[{i}]")
+                    for a in self.check(g, f"{path}.grad_partial[{i}]", list)
+                )
+                for i, g in enumerate(grad)
+            ),
+            storage=self.layouts(self.field(d, "storage", path, list), f"{path}.storage"),
+            epilogue=tuple(
+                self.items(self.field(d, "epilogue", path, list), f"{path}.epilogue", int)
+            ),
+            lowering=self.field(d, "lowering", path, (str, type(None))),
+            internal=tuple(self.steps(self.field(d, "internal", path, list), f"{path}.internal")),
+            outputs=self.layouts(self.field(d, "outputs", path, list), f"{path}.outputs"),
+            detail=self.field(d, "detail", path, str),
+            split_weight=self.field(d, "split_weight", path, (bool, type(None))),
+            regather=tuple(
+                self.items(self.field(d, "regather", path, list), f"{path}.regather", int)
+            ),
+        )
+
+    def node(self, d, path: str) -> NodePlan:
+        name = self.field(d, "name", path, str)
+        path = f"{path} ({name!r})"
+        strategy = self.strategy(self.field(d, "strategy", path, dict), f"{path}.strategy")
+        shape = tuple(self.items(self.field(d, "shape", path, list), f"{path}.shape", int))
+        local = tuple(
+            self.items(self.field(d, "local_shape", path, list), f"{path}.local_shape", int)
+        )
+        input_steps = tuple(
+            tuple(self.steps(steps, f"{path}.input_steps[{i}]"))
+            for i, steps in enumerate(self.field(d, "input_steps", path, list))
+        )
+        needs = tuple(
+            self.items(
+                self.field(d, "input_needs_grad", path, list), f"{path}.input_needs_grad", bool
+            )
+        )
+        n = len(strategy.inputs)
+        if not len(input_steps) == len(needs) == len(strategy.grad_partial) == n:
+            raise PlanError(
+                f"{path}: strategy.inputs, grad_partial, input_steps and input_needs_grad must "
+                f"have one entry per input ({n})"
+            )
+        if shape:
+            self.divides(strategy.stored, shape, f"{path}.strategy.stored")
+            if local != strategy.stored.local_shape(shape, self.mesh):
+                raise PlanError(
+                    f"{path}.local_shape {list(local)} is not shape {list(shape)} split as "
+                    f"{strategy.stored}"
+                )
+        return NodePlan(
+            name=name,
+            op=self.field(d, "op", path, str),
+            module=self.field(d, "module", path, str),
+            shape=shape,
+            local_shape=local,
+            strategy=strategy,
+            input_steps=input_steps,
+            output_steps=tuple(
+                self.steps(self.field(d, "output_steps", path, list), f"{path}.output_steps")
+            ),
+            input_needs_grad=needs,
+            needs_grad=self.field(d, "needs_grad", path, bool),
+        )

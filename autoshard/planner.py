@@ -51,6 +51,24 @@ def check_strategy(strategy) -> None:
             raise StrategyError(f"unknown strategy {name!r}: choose one of {', '.join(FAMILIES)}")
 
 
+def check_patterns(traced: Traced, strategy) -> None:
+    """Every module pattern of a strategy dict must match the module of some op: a
+    misspelt pattern would otherwise leave its modules at the default silently."""
+    if not isinstance(strategy, dict):
+        return
+    paths = {module_path(n) for n in traced.graph_module.graph.nodes if n.op == "call_function"}
+    for pattern in strategy:
+        if pattern == "*" or any(fnmatch.fnmatchcase(p, pattern) for p in paths):
+            continue
+        inner = sorted(p for p in paths if fnmatch.fnmatchcase(p, pattern + ".*"))
+        hint = f"; it names a parent module: write {pattern + '.*'!r}" if inner else ""
+        known = ", ".join(repr(p) for p in sorted(paths - {""})[:8]) or "none"
+        raise StrategyError(
+            f"strategy pattern {pattern!r} matches no module that runs an op{hint} "
+            f"(module paths: {known}{', …' if len(paths) > 9 else ''})"
+        )
+
+
 def family_of(path: str, strategy) -> str:
     """The family the user asked for at module `path`."""
     if strategy is None:
@@ -121,6 +139,7 @@ def plan_graph(
     fixed: dict[str, Strategy] | None = None,
     crossing: dict[str, dict[str, Layout]] | None = None,
     inputs: dict[str, Layout] | None = None,
+    fallback: bool = False,
 ) -> Plan:
     """Plan every node.
 
@@ -136,8 +155,12 @@ def plan_graph(
       node as it is in the plan of its part's family and orientation, and a value
       that crosses from one part into another first converted to the layout it
       has in the receiving part's own plan, so every part runs exactly as priced.
+    - `fallback`: a node that no layout of its family divides takes the next family
+      that fits ("3d" → "3d-allreduce" → "replicated"), noted in `Plan.fallbacks`;
+      without it (a family the user forced) that node is a ShapeError.
     """
     check_strategy(strategy)
+    check_patterns(traced, strategy)
     planning = mesh.relabeled(order) if order else mesh
     graph = traced.graph_module.graph
     default_family = (
@@ -150,6 +173,7 @@ def plan_graph(
     entry_steps: dict[str, tuple] = {}
     nodes: dict[str, NodePlan] = {}
     notes: list[str] = []
+    fallbacks: dict[str, str] = {}
     output_steps: tuple = ()
 
     for node in graph.nodes:
@@ -185,15 +209,29 @@ def plan_graph(
                         layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
                     )
                     layouts[i] = pretend
-            ctx = Context(node, planning, operands, layouts, family)
-            candidates, message = _candidates(ctx, mesh)
-            if message:
-                warnings.warn(message, stacklevel=3)
-                notes.append(message)
-            own = (knobs or {}).get(node.name, Knobs())
-            nodes[node.name] = _place(
-                node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
-            )
+            families = _fallbacks(family) if fallback and chosen is None else [family]
+            for attempt, family in enumerate(families):
+                ctx = Context(node, planning, operands, layouts, family)
+                candidates, message = _candidates(ctx, mesh)
+                last = attempt == len(families) - 1
+                try:
+                    if not last and candidates[0].detail == "no layout divides":
+                        raise ShapeError(message)
+                    own = (knobs or {}).get(node.name, Knobs())
+                    nodes[node.name] = _place(
+                        node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
+                    )
+                except ShapeError:
+                    if last:
+                        raise
+                    continue
+                if family != families[0]:  # fell back: say so, the note stays with the plan
+                    fallbacks[node.name] = _fallback_message(ctx, families[0], mesh)
+                    warnings.warn(fallbacks[node.name], stacklevel=3)
+                elif message:
+                    warnings.warn(message, stacklevel=3)
+                    notes.append(message)
+                break
             if bridges:
                 placed = nodes[node.name]
                 placed.input_steps = tuple(
@@ -208,7 +246,7 @@ def plan_graph(
                 )
                 for v in tensor_inputs(node)
             )
-    return Plan(mesh, nodes, storage, entry_steps, output_steps, notes)
+    return Plan(mesh, nodes, storage, entry_steps, output_steps, notes, fallbacks=fallbacks)
 
 
 def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
@@ -370,6 +408,31 @@ _ADVICE = (
     "use sizes divisible by the mesh axes that shard them, another mesh shape, "
     "or strategy 'replicated' for this module"
 )
+
+
+_NEXT_FAMILY = {
+    "3d": "3d-allreduce",
+    "any": "any-allreduce",
+    "3d-allreduce": "replicated",
+    "any-allreduce": "replicated",
+}
+
+
+def _fallbacks(family: str) -> list[str]:
+    """`family`, then each family to try when it does not fit: "3d", "3d-allreduce", …"""
+    out = [family]
+    while out[-1] in _NEXT_FAMILY:
+        out.append(_NEXT_FAMILY[out[-1]])
+    return out
+
+
+def _fallback_message(ctx: Context, asked: str, mesh: Mesh) -> str:
+    shapes = ", ".join(f"{n.name}{list(_shape(n))}" for n in ctx.inputs)
+    instead = "it runs replicated" if ctx.family == "replicated" else f"planned as {ctx.family!r}"
+    return (
+        f"{_describe(ctx.node)}: no {asked!r} layout on mesh {mesh} divides its tensors "
+        f"({shapes}): {instead} instead"
+    )
 
 
 def _no_fit_message(ctx: Context, node: fx.Node, mesh: Mesh) -> str:

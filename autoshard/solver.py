@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -194,13 +195,20 @@ class Problem:
 
 
 def build_problem(
-    traced: Traced, mesh: Mesh, hardware: Hardware, families: tuple[str, ...], optimizer: float
+    traced: Traced,
+    mesh: Mesh,
+    hardware: Hardware,
+    families: tuple[str, ...],
+    optimizer: float,
+    fallback: bool = True,
 ) -> Problem:
     """The integer program of the module docstring, for `families` in every order of
-    the axes that costs differently (`orientations`)."""
+    the axes that costs differently (`orientations`). With `fallback`, a node that no
+    layout of a family divides is planned in that family's plan by the next family
+    that fits (`plan_graph`), so the family stays an option for every other unit."""
     orders = orientations(mesh, hardware)
     plans = {
-        (family, order): plan_graph(traced, mesh, family, order=order or None)
+        (family, order): plan_graph(traced, mesh, family, order=order or None, fallback=fallback)
         for family in families
         for order in (orders if family != "replicated" else [()])
     }
@@ -372,9 +380,10 @@ def _wiring(traced, problem: Problem, members, u: str, users) -> dict[str, tuple
                 where = members[source].index(users[inp.target])
             elif inp.op == "placeholder":
                 source, where = first_unit, inp.name
-            else:
-                source = problem.unit[inp.name]
-                where = members[source].index(inp.name)
+            else:  # an output of a node with several is read through a getitem
+                origin = inp.args[0] if inp.target is operator.getitem else inp
+                source = problem.unit[origin.name]
+                where = members[source].index(origin.name)
             if source != u:
                 out[source].append((position, i, inp.op, where))
     return {source: tuple(wires) for source, wires in out.items()}
@@ -647,9 +656,13 @@ def plan_model(
         space = (strategy,) if strategy else SPACES[strategy_space]
         if memory_budget is None:
             memory_budget = hardware.memory_per_device
-        problem = build_problem(traced, mesh, hardware, space, optimizer)
+        # A family the user forced must fit every node; the solver's own choice falls
+        # back node by node to the next family that fits.
+        problem = build_problem(traced, mesh, hardware, space, optimizer, fallback=not strategy)
         choice = solve(problem, memory_budget)
-        return plan_choice(traced, mesh, problem, choice, hardware, optimizer)
+        plan = plan_choice(traced, mesh, problem, choice, hardware, optimizer)
+        plan.reasons = reasons(problem, choice, memory_budget)
+        return plan
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
 
@@ -658,10 +671,8 @@ def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardw
     """The plan of `choice`: every node with the strategy the plan of its unit's variant
     gives it; a value crossing into a unit of another variant is converted straight
     to the layout its reader computes on, as `Crossing` prices it."""
-    fixed = {
-        name: problem.plans[choice[u].variant].nodes[name].strategy
-        for name, u in problem.unit.items()
-    }
+    variant = {name: choice[u].variant for name, u in problem.unit.items()}
+    fixed = {name: problem.plans[v].nodes[name].strategy for name, v in variant.items()}
     knobs: dict[str, Knobs] = {}
     for option in choice.values():
         for knob in option.knobs:
@@ -677,5 +688,38 @@ def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardw
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }
     plan.choices = {unit: str(option) for unit, option in choice.items()}
+    plan.warnings += [  # the nodes that left their family, in the variants chosen
+        note
+        for name, v in variant.items()
+        if (note := problem.plans[v].fallbacks.get(name)) is not None
+    ]
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
+
+
+def reasons(problem: Problem, choice: dict[str, Option], budget: float | None) -> dict[str, str]:
+    """Why each unit left replicated is so: what the fastest option of each other
+    family would change, that unit alone switched (knobs at their defaults)."""
+    time, _ = problem.evaluate(choice)
+    out = {}
+    for u in problem.units:
+        if choice[u].family != "replicated":
+            continue
+        best: dict[str, tuple[float, float]] = {}  # family → (seconds more, peak)
+        for option in problem.options[u]:
+            if option.family == "replicated":
+                continue
+            t, peak = problem.evaluate({**choice, u: option})
+            if option.family not in best or t - time < best[option.family][0]:
+                best[option.family] = (t - time, peak)
+        if not best:
+            continue
+        fits = {f: dt for f, (dt, peak) in best.items() if budget is None or peak <= budget}
+        parts = [f"{f} would cost {dt * 1e3:.4g} ms more" for f, dt in sorted(fits.items())]
+        parts += [
+            f"{f} would peak at {human_bytes(peak)}, over the budget"
+            for f, (_, peak) in sorted(best.items())
+            if f not in fits
+        ]
+        out[u] = "replicated is fastest at this budget: " + "; ".join(parts)
+    return out

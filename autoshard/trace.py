@@ -13,6 +13,7 @@ program keeps the model's parameter names.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -21,7 +22,17 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from autoshard.canonical import canonicalize
-from autoshard.errors import TraceError
+from autoshard.errors import InputError, TraceError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One example input: the forward parameter it binds to, and what it was."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
 
 
 @dataclass
@@ -34,6 +45,8 @@ class Traced:
     transient: frozenset[str] = frozenset()  # FQNs not in the model's state_dict (non-persistent)
     training: bool = True  # the mode a ParallelModule starts in (`autoshard.modes`)
     refused_modes: dict[bool, str] = field(default_factory=dict)  # mode → why not
+    inputs: tuple[InputSpec, ...] = ()  # what each example input was, in placeholder order
+    signature: inspect.Signature | None = field(default=None, repr=False)  # of model.forward
 
     @cached_property
     def nodes(self) -> dict[str, fx.Node]:
@@ -46,8 +59,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         isinstance(t, torch.Tensor) for t in example_inputs
     ):
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
+    forward_signature, names, args, kwargs = _bound(model, example_inputs)
     try:
-        exported = torch.export.export(model, example_inputs, strict=False)
+        exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
@@ -57,6 +71,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
             "of forward, or express them with torch.where / torch.cond."
         ) from e
 
+    _check_static_shapes(exported.graph, model)
     signature = exported.graph_signature
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
         raise TraceError(
@@ -94,9 +109,101 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     transient = frozenset(signature.non_persistent_buffers) | frozenset(
         signature.inputs_to_lifted_tensor_constants.values()
     )
-    return Traced(
-        graph_module, shapes, out_spec, parameters, {f: aliases[f] for f in attrs}, transient
+    specs = tuple(
+        InputSpec(name, tuple(t.shape), t.dtype, t.device) for name, t in zip(names, example_inputs)
     )
+    return Traced(
+        graph_module,
+        shapes,
+        out_spec,
+        parameters,
+        {f: aliases[f] for f in attrs},
+        transient,
+        inputs=specs,
+        signature=forward_signature,
+    )
+
+
+def bind(
+    signature: inspect.Signature | None, inputs: tuple[InputSpec, ...], args: tuple, kwargs: dict
+) -> list:
+    """Call-time arguments in the order of the example inputs `inputs`, bound by `forward`'s
+    signature (so positional and keyword calls alike work); InputError if they
+    do not bind, or give an argument the example inputs did not."""
+    if not kwargs and len(args) == len(inputs):
+        return list(args)
+    if signature is None:
+        raise InputError(
+            f"this module takes its {len(inputs)} inputs positionally, as the example "
+            f"inputs were given; it got {len(args)} positional and {sorted(kwargs)} by keyword"
+        )
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(
+            f"the call does not match forward{signature}: {e}; pass the inputs "
+            f"{[spec.name for spec in inputs]} as the example inputs were passed"
+        ) from None
+    names = [spec.name for spec in inputs]
+    extra = [  # an argument passed at its default (None, say) changes nothing traced
+        n
+        for n, value in bound.arguments.items()
+        if n not in names and value is not signature.parameters[n].default
+    ]
+    if extra:
+        raise InputError(
+            f"argument(s) {extra} were not among the example inputs {names} this module "
+            "was planned for; parallelize again with them in the example inputs"
+        )
+    missing = [n for n in names if n not in bound.arguments]
+    if missing:
+        raise InputError(f"input(s) {missing} are missing: this module was planned with {names}")
+    return [bound.arguments[n] for n in names]
+
+
+def _bound(model: torch.nn.Module, example_inputs: tuple):
+    """(forward's signature, the parameter name of each example input, export's args
+    and kwargs). The examples bind to forward's parameters in declaration order, the
+    keyword-only ones too, so a forward(self, *, x) traces from (x,)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: positional, as given
+        return None, [f"input {i}" for i in range(len(example_inputs))], example_inputs, {}
+    kinds = inspect.Parameter
+    params = list(signature.parameters.values())
+    if any(p.kind == kinds.VAR_POSITIONAL for p in params):
+        return None, [f"input {i}" for i in range(len(example_inputs))], example_inputs, {}
+    positional = [
+        p.name for p in params if p.kind != kinds.KEYWORD_ONLY and p.kind != kinds.VAR_KEYWORD
+    ]
+    keyword = [p.name for p in params if p.kind == kinds.KEYWORD_ONLY]
+    names = (positional + keyword)[: len(example_inputs)]
+    if len(names) < len(example_inputs):
+        raise TraceError(
+            f"{type(model).__name__}.forward{signature} takes {len(positional) + len(keyword)} "
+            f"inputs but {len(example_inputs)} example inputs were given"
+        )
+    cut = min(len(positional), len(example_inputs))
+    kwargs = dict(zip(names[cut:], example_inputs[cut:]))
+    return signature, names, example_inputs[:cut], kwargs
+
+
+def _check_static_shapes(graph: fx.Graph, model: torch.nn.Module) -> None:
+    """A value whose size depends on tensor values (boolean-mask indexing, nonzero,
+    unique) cannot be split ahead of time: name the op that makes it."""
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        sizes = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+        if isinstance(val, torch.SymInt) or any(not isinstance(s, int) for s in sizes):
+            path = module_path(node)
+            where = f", module '{path}'" if path else ""
+            shape = list(sizes) if sizes else val
+            raise TraceError(
+                f"{type(model).__name__}: node '{node.name}' ({node.target}{where}) has a "
+                f"data-dependent shape {shape}: its size depends on tensor values (boolean-mask "
+                "indexing x[mask], nonzero, unique), which autoshard cannot split ahead of time; "
+                "keep the shape fixed, e.g. torch.where(mask, x, 0) or x * mask"
+            )
 
 
 def _first_in(names, state) -> str:
@@ -146,7 +253,8 @@ def argument(node: fx.Node, name: str):
     """The value of argument `name` of an ATen call node, given positionally or by
     keyword, or else its schema default.
 
-    >>> argument(embedding_node, "padding_idx")    # aten.embedding(w, ids, 3)
+    >>> traced = trace(torch.nn.Embedding(8, 4, padding_idx=3), (torch.tensor([1, 3]),))
+    >>> argument(traced.nodes["embedding"], "padding_idx")
     3
     """
     for i, arg in enumerate(node.target._schema.arguments):

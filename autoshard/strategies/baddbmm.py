@@ -1,5 +1,5 @@
 """`baddbmm(bias, a, b, beta, alpha)` = beta·bias + alpha·(a @ b), a batched product with
-a bias (Bloom's ALiBi scores): the product splits as `attention.batched_matmul` does
+a bias (Bloom's ALiBi scores): the product splits as `linear.activation_product` does
 (batch and rows as `a` has them, contraction and columns whole) and the bias, which
 broadcasts against the output, is split to match. beta and alpha act element by
 element, so they need nothing."""
@@ -11,7 +11,7 @@ import dataclasses
 from torch.ops import aten
 
 from autoshard.strategies import Context, Strategy, make, register
-from autoshard.strategies.attention import batched_matmul
+from autoshard.strategies.linear import activation_product
 from autoshard.strategies.pointwise import aligned
 
 
@@ -19,7 +19,7 @@ from autoshard.strategies.pointwise import aligned
 def baddbmm(ctx: Context) -> list[Strategy]:
     product = dataclasses.replace(ctx, inputs=ctx.inputs[1:], layouts=ctx.layouts[1:])
     out = []
-    for s in batched_matmul(product):
+    for s in activation_product(product):
         bias = aligned(s.output, ctx.shape(0), ctx.out_shape)
         out.append(make(s.family, [bias, *s.inputs], s.output, detail="batch and rows"))
     return out

@@ -15,7 +15,7 @@ w [O, C/groups, *kernel] and out [B, O, *space']:
 stride, padding and dilation act on space only, which is never split, so every
 value of them is exact. An input without a batch dim is not claimed.
 
-    >>> conv2d(x [8, 3, 16, 16] S0(a) S1(c), w [64, 3, 4, 4] S0(b) S1(c))  # M=a K=c N=b
+    conv2d(x [8, 3, 16, 16] S0(a) S1(c), w [64, 3, 4, 4] S0(b) S1(c))  # M=a K=c N=b
 """
 
 from __future__ import annotations

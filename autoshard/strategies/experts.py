@@ -8,7 +8,7 @@ them, all-reduced) and one splits O (w and the output), or one splits H and two
 O. Each rank stores 1/8 of every expert's weight on 2×2×2 and computes 1/8 of
 every product; offs is whole everywhere.
 
-    >>> grouped_mm_nt(x [S, H] S1(a,b), w [E, O, H] S1(c) S2(a,b), offs)  # K=a,b N=c
+    grouped_mm_nt(x [S, H] S1(a,b), w [E, O, H] S1(c) S2(a,b), offs)  # K=a,b N=c
 """
 
 from __future__ import annotations
