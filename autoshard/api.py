@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import comm
+from autoshard import checkpoint, comm
 from autoshard.cost import OPTIMIZERS
 from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.hardware import DEFAULT, Hardware
@@ -83,7 +83,7 @@ def parallelize(
     bound = comm.BoundMesh(mesh, layout)
     with comm.bound(bound):
         program = ShardParameters(plan, traced.parameters)(program)
-    return ParallelModule(program, plan, traced, bound)
+    return ParallelModule(program, plan, traced, bound, model)
 
 
 def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
@@ -145,9 +145,20 @@ class ParallelModule(torch.nn.Module):
     model's FQNs; call it with the full global inputs on every rank and get
     the full outputs back on every rank."""
 
-    def __init__(self, program: fx.GraphModule, plan: Plan, traced: Traced, mesh: comm.BoundMesh):
+    def __init__(
+        self,
+        program: fx.GraphModule,
+        plan: Plan,
+        traced: Traced,
+        mesh: comm.BoundMesh,
+        model: torch.nn.Module,
+    ):
         super().__init__()
         object.__setattr__(self, "program", program)  # not a child: its parameters are ours
+        # a model built on meta is kept (it holds no memory) to recompute its buffers
+        meta = any(t.is_meta for t in traced.parameters.values())
+        object.__setattr__(self, "_source", model if meta else None)
+        self._configs = checkpoint.hf_configs(model)
         self.plan = plan
         self._mesh = mesh
         self._input_shapes = traced.input_shapes
