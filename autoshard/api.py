@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import agreement, comm, sizes
+from autoshard import agreement, checkpoint, comm, sizes
 from autoshard.agreement import checksum, ranks_text
 from autoshard.cost import OPTIMIZERS
 from autoshard.errors import InputError, MeshError, StrategyError
@@ -98,7 +98,7 @@ def parallelize(
     bound = comm.BoundMesh(mesh, layout)
     with comm.bound(bound):
         program = ShardParameters(plan, traced.parameters)(program)
-    return ParallelModule(program, plan, traced, bound, check_calls=check == "always")
+    return ParallelModule(program, plan, traced, bound, model, check_calls=check == "always")
 
 
 def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
@@ -198,10 +198,15 @@ class ParallelModule(torch.nn.Module):
         plan: Plan,
         traced: Traced,
         mesh: comm.BoundMesh,
+        model: torch.nn.Module,
         check_calls: bool = False,
     ):
         super().__init__()
         object.__setattr__(self, "program", program)  # not a child: its parameters are ours
+        # a model built on meta is kept (it holds no memory) to recompute its buffers
+        meta = any(t.is_meta for t in traced.parameters.values())
+        object.__setattr__(self, "_source", model if meta else None)
+        self._configs = checkpoint.hf_configs(model)
         self.plan = plan
         self._mesh = mesh
         self._traced_inputs = traced.inputs

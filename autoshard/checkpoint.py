@@ -14,6 +14,10 @@ a parallel one and the other way round:
     optimizer = torch.optim.AdamW(parallel.parameters())
     autoshard.checkpoint.load(parallel, "ckpt/step-100", optimizer)
 
+Hugging Face weights load the same way, each rank reading only its slices of
+each tensor from the safetensors files of a ``save_pretrained`` directory
+(`load_hf`), and are written back, one tensor in flight, by rank 0 (`save_hf`).
+
 The optimizer's state is kept per parameter name: every state tensor shaped
 like its parameter (Adam's moments, SGD's momentum) is sharded like it, and
 scalars (step counts) are replicated. Everything is checked against the
@@ -22,11 +26,15 @@ checkpoint before anything is read.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -191,3 +199,176 @@ def _sharded(module, fqn: str, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(
         local, device_mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride
     )
+
+
+HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def load_hf(module: torch.nn.Module, directory, prefix: str = "") -> None:
+    """Fill `module` from a Hugging Face ``save_pretrained`` directory (one
+    safetensors file or a sharded index), each rank reading only the slices its
+    shards cover. `prefix` is where the Hugging Face model sits in the module that
+    was parallelized (``"model."`` for a wrapper holding it as ``self.model``).
+    Every tensor is checked (present, same shape) before any is read; tensors
+    outside `prefix` are left as they are. Buffers the model computes at
+    construction (rotary tables) are recomputed for a model built on meta."""
+    files = _hf_files(Path(directory))
+    targets = {}
+    for fqn, local in _local_tensors(module).items():
+        names = [n[len(prefix) :] for n in _aliases(module, fqn) if n.startswith(prefix)]
+        if names:
+            targets[fqn] = (next((n for n in names if n in files), names[0]), local)
+    shapes = {}
+    for fqn, (name, local) in targets.items():
+        if name not in files:
+            raise CheckpointError(
+                f"{name!r} (for {fqn!r}) is not in the Hugging Face weights at "
+                f"{str(directory)!r}: is prefix={prefix!r} right, and is it the same model?"
+            )
+        with safe_open(files[name], framework="pt") as f:
+            shapes[fqn] = tuple(f.get_slice(name).get_shape())
+        want = _full_shape(module, fqn, local)
+        if shapes[fqn] != want:
+            raise CheckpointError(
+                f"{name!r} has shape {list(shapes[fqn])} in {str(directory)!r} but "
+                f"{list(want)} in this module"
+            )
+    with torch.no_grad():
+        for fqn, (name, local) in targets.items():
+            with safe_open(files[name], framework="pt") as f:
+                piece = f.get_slice(name)[_my_slices(module, fqn, shapes[fqn])]
+            local.copy_(piece.reshape(local.shape))
+    _recompute_buffers(module)
+
+
+def save_hf(module: torch.nn.Module, directory, prefix: str = "", max_shard_bytes=2**30) -> None:
+    """Write the Hugging Face model at `prefix` of `module` as a ``save_pretrained``
+    directory that ``from_pretrained`` reads: safetensors shards of at most
+    `max_shard_bytes`, an index, and the model's config. Tensors are gathered one at
+    a time and written by rank 0, which never holds more than one shard. A
+    collective for a ParallelModule."""
+    directory = Path(directory)
+    writer = _rank0()
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    total = 0
+
+    def flush():
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for fqn, local in _local_tensors(module).items():
+        full = _gathered(module, fqn, local)
+        for alias in _aliases(module, fqn):
+            if writer and alias.startswith(prefix):
+                shard[alias[len(prefix) :]] = full.contiguous()
+                total += full.numel() * full.element_size()
+        if writer and sum(t.numel() * t.element_size() for t in shard.values()) >= max_shard_bytes:
+            flush()
+    if not writer:
+        return
+    if shard or not weight_map:
+        flush()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    config = _hf_config(module, prefix)
+    if config is not None:
+        config.save_pretrained(directory)
+
+
+def _hf_files(directory: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file that holds it."""
+    if (directory / HF_INDEX).is_file():
+        weight_map = json.loads((directory / HF_INDEX).read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    if (directory / HF_SINGLE).is_file():
+        with safe_open(directory / HF_SINGLE, framework="pt") as f:
+            return dict.fromkeys(f.keys(), directory / HF_SINGLE)
+    raise CheckpointError(
+        f"no Hugging Face weights at {str(directory)!r}: expected {HF_SINGLE} or {HF_INDEX} "
+        "(a save_pretrained directory with safetensors)"
+    )
+
+
+def _local_tensors(module) -> dict[str, torch.Tensor]:
+    if _is_parallel(module):
+        return module.local_state_dict()
+    return dict(module.state_dict(keep_vars=True))
+
+
+def _aliases(module, fqn: str) -> tuple[str, ...]:
+    return module._aliases.get(fqn, (fqn,)) if _is_parallel(module) else (fqn,)
+
+
+def _my_slices(module, fqn: str, shape) -> tuple[slice, ...]:
+    """The part of the global tensor `fqn` this rank holds."""
+    if not _is_parallel(module):
+        return tuple(slice(0, s) for s in shape)
+    mesh = module.plan.mesh
+    layout = module.plan.storage.get(fqn) or Layout.replicated(len(shape))
+    coord = {axis: module._mesh.coordinate(axis) for axis in mesh.names}
+    return tuple(slice(a, b) for a, b in layout.shard_slices(shape, mesh, coord))
+
+
+def _gathered(module, fqn: str, local: torch.Tensor) -> torch.Tensor:
+    if not _is_parallel(module):
+        return local.detach().cpu()
+    return module._gathered({fqn: local}, rank0_only=True).get(fqn, local)
+
+
+def _rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _hf_config(module, prefix: str):
+    configs = module._configs if _is_parallel(module) else hf_configs(module)
+    return configs.get(prefix.removesuffix("."))
+
+
+def hf_configs(model: torch.nn.Module) -> dict:
+    """Module path → the Hugging Face config of each pretrained model inside `model`."""
+    return {
+        path: m.config
+        for path, m in model.named_modules()
+        if hasattr(getattr(m, "config", None), "save_pretrained")
+    }
+
+
+def _recompute_buffers(module) -> None:
+    """A model built on meta has no values for the buffers it computes at construction
+    and does not save (rotary tables): each owning module is materialized alone and
+    initialized by its Hugging Face model's own `_init_weights`."""
+    source = getattr(module, "_source", None)
+    if source is None:
+        return
+    state = module.program.state_dict(keep_vars=True)
+    built_on_meta = {n for n, b in source.named_buffers() if b.is_meta}
+    for fqn in sorted(module._transient & built_on_meta):
+        owner_path, _, name = fqn.rpartition(".")
+        owner = source.get_submodule(owner_path)
+        pretrained = _pretrained_owner(source, owner_path)
+        if pretrained is None:
+            raise CheckpointError(
+                f"buffer {fqn!r} of a model built on meta is computed at construction and not "
+                "saved: build the model on a real device, or set the buffer yourself"
+            )
+        owner.to_empty(device="cpu", recurse=False)
+        pretrained._init_weights(owner)
+        full = getattr(owner, name)
+        with torch.no_grad():
+            state[fqn].copy_(full[_my_slices(module, fqn, tuple(full.shape))])
+        owner.to_empty(device="meta", recurse=False)
+
+
+def _pretrained_owner(model: torch.nn.Module, path: str):
+    """The innermost Hugging Face pretrained model whose subtree holds module `path`."""
+    best = None
+    for prefix, m in model.named_modules():
+        inside = not prefix or path == prefix or path.startswith(prefix + ".")
+        if inside and hasattr(m, "_init_weights") and hasattr(m, "config"):
+            best = m
+    return best

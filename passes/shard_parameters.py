@@ -1,12 +1,19 @@
 """Give the program this rank's shards of the parameters and buffers, under their
-original FQNs, so `named_parameters()` reads like the serial model's."""
+original FQNs, so `named_parameters()` reads like the serial model's.
+
+A tensor of a model built on the meta device has no values to cut: its shard is
+allocated, unfilled, on the mesh's device (`autoshard.checkpoint.load_hf` or
+`autoshard.checkpoint.load` fill it), and the ops traced with ``device=meta``
+(factories such as ``arange`` for positions, torch.export's metadata checks)
+run on that device instead."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
-from autoshard.comm import local_part
+from autoshard.comm import current_mesh, local_part
 from autoshard.layout import Layout
 from autoshard.plan import Plan
 
@@ -20,9 +27,14 @@ class ShardParameters:
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         root = torch.nn.Module()
+        device = current_mesh().device_mesh.device_type
         for fqn, full in self.parameters.items():
             layout = self.plan.storage.get(fqn) or Layout.replicated(full.ndim)
-            local = local_part(full.detach(), layout.dims).clone()
+            if full.is_meta:
+                shape = layout.local_shape(full.shape, self.plan.mesh)
+                local = torch.empty(shape, dtype=full.dtype, device=device)
+            else:
+                local = local_part(full.detach(), layout.dims).clone()
             owner = root
             *path, name = fqn.split(".")
             for part in path:
@@ -35,6 +47,14 @@ class ShardParameters:
                 )
             else:
                 owner.register_buffer(name, local)
+        for program in gm.modules():  # the program and its checkpoint regions
+            if isinstance(program, fx.GraphModule):
+                for node in program.graph.nodes:
+                    node.args, node.kwargs = pytree.tree_map(
+                        lambda a: torch.device(device) if a == torch.device("meta") else a,
+                        (node.args, node.kwargs),
+                    )
+                program.recompile()
         for node in gm.graph.nodes:  # checkpoint regions and what they call
             if node.op == "get_attr" and node.target not in self.parameters:
                 value = getattr(gm, node.target)
