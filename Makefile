@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 zoo: install
-	$(PY) -m pytest -m zoo tests/test_zoo.py
+	$(PY) -m pytest -m zoo
 
 lint: install
 	$(VENV)/bin/ruff check .

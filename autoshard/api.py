@@ -198,7 +198,7 @@ class ParallelModule(torch.nn.Module):
         plan: Plan,
         traced: Traced,
         mesh: comm.BoundMesh,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None = None,
         check_calls: bool = False,
     ):
         super().__init__()
@@ -206,7 +206,7 @@ class ParallelModule(torch.nn.Module):
         # a model built on meta is kept (it holds no memory) to recompute its buffers
         meta = any(t.is_meta for t in traced.parameters.values())
         object.__setattr__(self, "_source", model if meta else None)
-        self._configs = checkpoint.hf_configs(model)
+        self._configs = checkpoint.hf_configs(model) if model is not None else {}
         self.plan = plan
         self._mesh = mesh
         self._traced_inputs = traced.inputs
