@@ -24,7 +24,7 @@ from autoshard.api import ParallelModule
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.planner import plan_graph
-from autoshard.trace import Traced
+from autoshard.trace import InputSpec, Traced
 from passes import ShardParameters, emit
 
 CASES_PER_MESH = 200
@@ -179,7 +179,8 @@ def _build(shape, chain, seed: int) -> Traced:
     graph.output((out,))
     gm = fx.GraphModule({"w": weight}, graph)
     spec = pytree.tree_flatten(out.meta["val"])[1]
-    return Traced(gm, (tuple(shape),), spec, {"w": weight}, {"w": ("w",)})
+    example = InputSpec("x", tuple(shape), torch.float32, torch.device("cpu"))
+    return Traced(gm, (tuple(shape),), spec, {"w": weight}, {"w": ("w",)}, inputs=(example,))
 
 
 def _serial(shape, chain, x, weight):
