@@ -9,7 +9,7 @@ print(parallel.code)        # the rewritten program, collectives included
 from autoshard import checkpoint
 from autoshard.api import ParallelModule, parallelize, plan
 from autoshard.clip import clip_grad_norm_
-from autoshard.comm import CommLog, CommRecord, comm_log
+from autoshard.cost.hardware import Hardware
 from autoshard.errors import (
     AutoshardError,
     BudgetError,
@@ -22,10 +22,10 @@ from autoshard.errors import (
     StrategyError,
     TraceError,
 )
-from autoshard.hardware import Hardware
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
+from autoshard.planning.plan import Plan
+from autoshard.runtime.comm import CommLog, CommRecord, comm_log
 
 __all__ = [
     "AutoshardError",

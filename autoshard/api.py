@@ -14,19 +14,20 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import agreement, checkpoint, comm, sizes
-from autoshard.agreement import checksum, ranks_text
-from autoshard.cost import OPTIMIZERS
+from autoshard import checkpoint
+from autoshard.cost.hardware import Hardware
 from autoshard.errors import InputError, MeshError, StrategyError
-from autoshard.hardware import DEFAULT, Hardware
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
-from autoshard.modes import trace_modes
-from autoshard.plan import Plan
-from autoshard.planner import inputs_planned_with_grad
-from autoshard.solver import plan_model
-from autoshard.trace import Traced, bind
-from autoshard.verify import check_plan, fingerprint
+from autoshard.planning.options import PlanOptions
+from autoshard.planning.plan import Plan
+from autoshard.planning.planner import inputs_planned_with_grad
+from autoshard.planning.solver import plan_model
+from autoshard.planning.verify import check_plan, fingerprint
+from autoshard.runtime import agreement, comm
+from autoshard.runtime.agreement import checksum, ranks_text
+from autoshard.tracing.modes import trace_modes
+from autoshard.tracing.trace import Traced, bind
 from passes import ShardParameters, emit
 
 
@@ -53,9 +54,27 @@ def plan(
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
     number).
     """
+    return trace_and_plan(
+        model,
+        mesh_shape,
+        example_inputs,
+        PlanOptions.from_user(
+            strategy=strategy,
+            memory_budget=memory_budget,
+            hardware=hardware,
+            strategy_space=strategy_space,
+            optimizer=optimizer,
+        ),
+    )[1]
+
+
+def trace_and_plan(
+    model: torch.nn.Module, mesh_shape, example_inputs: tuple, options: PlanOptions
+) -> tuple[Traced, Plan]:
+    """`plan`, keeping the traced graph the plan is for (what `passes.emit` needs to
+    write a rank's program, as `autoshard show` does)."""
     traced = trace_modes(model, example_inputs)
-    mesh = Mesh.from_shape(mesh_shape)
-    return _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer)
+    return traced, _solved(traced, Mesh.from_shape(mesh_shape), options)
 
 
 def parallelize(
@@ -88,7 +107,14 @@ def parallelize(
     layout = Mesh.from_device_mesh(mesh)
     traced = trace_modes(model, example_inputs)
     if plan is None:
-        plan = _solved(traced, layout, strategy, memory_budget, hardware, strategy_space, optimizer)
+        options = PlanOptions.from_user(
+            strategy=strategy,
+            memory_budget=memory_budget,
+            hardware=hardware,
+            strategy_space=strategy_space,
+            optimizer=optimizer,
+        )
+        plan = _solved(traced, layout, options)
     elif plan.mesh != layout:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
     else:
@@ -101,32 +127,10 @@ def parallelize(
     return ParallelModule(program, plan, traced, bound, model, check_calls=check == "always")
 
 
-def _solved(traced, mesh, strategy, memory_budget, hardware, strategy_space, optimizer) -> Plan:
-    plan = plan_model(
-        traced,
-        mesh,
-        strategy=strategy,
-        memory_budget=sizes.memory_budget(memory_budget),
-        hardware=_hardware(hardware),
-        strategy_space=strategy_space,
-        optimizer=_optimizer(optimizer),
-    )
+def _solved(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+    plan = plan_model(traced, mesh, options)
     plan.graph = fingerprint(traced)
     return plan
-
-
-def _hardware(hardware) -> Hardware:
-    return hardware if isinstance(hardware, Hardware) else Hardware.load(hardware or DEFAULT)
-
-
-def _optimizer(optimizer) -> float:
-    if isinstance(optimizer, str):
-        if optimizer not in OPTIMIZERS:
-            raise StrategyError(
-                f"unknown optimizer {optimizer!r}: choose one of {sorted(OPTIMIZERS)}"
-            )
-        return OPTIMIZERS[optimizer]
-    return float(optimizer)
 
 
 def _check_same_on_every_rank(plan: Plan, traced: Traced, example_inputs) -> None:

@@ -14,7 +14,7 @@ and the program one rank runs, with the parameter shards that rank holds.
 
 `calibrate` measures α and β per mesh axis and the matmul rate on a live
 mesh (local gloo ranks, or the ranks of a `torchrun` launch), prints them and
-writes a hardware profile (`autoshard.calibrate`).
+writes a hardware profile (`autoshard.runtime.calibrate`).
 
 Bad input (a malformed MODEL or --mesh, a missing file, anything autoshard
 refuses with an `AutoshardError`) prints one red line and exits with status 2.
@@ -43,8 +43,8 @@ from rich.text import Text
 from autoshard.errors import AutoshardError, human_bytes
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.planner import default_split
+from autoshard.planning.plan import Plan
+from autoshard.planning.planner import default_split
 from autoshard.sizes import memory_budget
 from autoshard.strategies import FAMILIES, Strategy
 
@@ -105,7 +105,7 @@ def parse_strategy(text: str):
 
 def load_model(spec: str):
     """``path/to/file.py:factory`` → ``(model, example_inputs)`` from calling the factory."""
-    from autoshard.testing import load_factory
+    from autoshard.factory import load_factory
 
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name.isidentifier():
@@ -429,16 +429,20 @@ def _cost_table(plan: Plan, hardware: str, budget: float | None) -> Table:
 
 
 def show(args, console: Console) -> None:
-    from autoshard.api import _hardware
-    from autoshard.modes import trace_modes
-    from autoshard.solver import plan_model
+    from autoshard.api import trace_and_plan
+    from autoshard.planning.options import PlanOptions
     from passes import emit
 
     shape = parse_mesh(args.mesh)
     mesh = Mesh.from_shape(shape)
     strategy = parse_strategy(args.strategy) if args.strategy else None
-    budget = memory_budget(args.budget)
-    hardware = _hardware(args.hardware)
+    options = PlanOptions.from_user(
+        strategy=strategy,
+        memory_budget=memory_budget(args.budget),
+        hardware=args.hardware,
+        strategy_space=args.space,
+    )
+    budget, hardware = options.memory_budget, options.hardware
     if not 0 <= args.rank < mesh.world_size:
         raise UsageError(
             f"--rank {args.rank} is not on the mesh: it has ranks 0..{mesh.world_size - 1}"
@@ -446,15 +450,7 @@ def show(args, console: Console) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the plan keeps the warnings that matter; printed below
         model, inputs = load_model(args.model)
-        traced = trace_modes(model, inputs)
-        plan = plan_model(
-            traced,
-            mesh,
-            strategy=strategy,
-            memory_budget=budget,
-            hardware=hardware,
-            strategy_space=args.space,
-        )
+        traced, plan = trace_and_plan(model, shape, inputs, options)
         program = None if args.no_code else emit(traced, plan)
 
     _header(console, model, plan, strategy, traced.parameters)
@@ -503,8 +499,8 @@ def _link_cells(link) -> list[str]:
 def calibrate(args, console: Console) -> None:
     import torch.distributed as dist
 
-    from autoshard import calibrate as calibration
-    from autoshard.hardware import Hardware
+    from autoshard.cost.hardware import Hardware
+    from autoshard.runtime import calibrate as calibration
 
     shape = parse_mesh(args.mesh)
     base = Hardware.load(args.base)  # an unknown base fails before any process starts

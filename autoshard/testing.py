@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -40,8 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.api import parallelize
 from autoshard.api import plan as autoshard_plan
-from autoshard.plan import Plan
-from autoshard.ranks import shared_pool
+from autoshard.factory import load_factory
+from autoshard.planning.plan import Plan
+from autoshard.runtime.ranks import shared_pool
 
 # A parallel tensor fails when its error against the float64 serial reference exceeds
 # ERROR_FACTOR times the fp32 serial program's own error, plus the rounding floor (see
@@ -79,19 +78,6 @@ class Mismatch:
             f"{self.what} '{self.name}' at step {self.step} on rank {self.rank}: "
             f"max abs error {self.max_abs:.3e}, largest value {self.scale:.3e}{exact}"
         )
-
-
-def load_factory(spec: str):
-    """`path/to/file.py:name` → the callable `name` defined in that file."""
-    path, _, name = spec.rpartition(":")
-    if not path or not name:
-        raise ValueError(f"expected MODEL as path/to/file.py:factory, got {spec!r}")
-    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    if module_spec is None:
-        raise FileNotFoundError(f"no Python file at {path!r}")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return getattr(module, name)
 
 
 def _dense(t):
@@ -397,7 +383,7 @@ def measure_memory(
       its base's storage). Packs during a backward (recomputation, double
       backward) do not count. Only the innermost hooks see a pack, so hooks the
       step installs (a non-reentrant ``torch.utils.checkpoint`` region,
-      ``autoshard.ops.keep_shard``) would hide their saves from ours: while the
+      ``autoshard.runtime.ops.keep_shard``) would hide their saves from ours: while the
       step runs, their pack hooks are wrapped, and what counts is the tensors
       they return, which is what autograd keeps. A checkpoint's pack returns a
       holder with no tensor (the region's inputs count: the checkpoint saves

@@ -27,11 +27,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.planner import plan_graph
-from autoshard.solver import plan_model
-from autoshard.trace import trace
+from autoshard.planning.options import PlanOptions
+from autoshard.planning.planner import plan_graph
+from autoshard.planning.solver import plan_model
+from autoshard.tracing.trace import trace
 from passes import emit
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
@@ -75,7 +76,7 @@ def solver_table(layer_counts, meshes) -> Table:
         traced, export_s = traced_gpt(layers)
         for shape in meshes:
             mesh = Mesh.from_shape(tuple(int(s) for s in shape.split("x")))
-            plan, plan_s = timed(plan_model, traced, mesh, hardware=hardware)
+            plan, plan_s = timed(plan_model, traced, mesh, PlanOptions(hardware=hardware))
             chosen = ", ".join(sorted({c.split(" + ")[0] for c in plan.choices.values()}))
             row = (layers, shape, f"{export_s:.2f}", f"{plan_s:.2f}", f"{plan_s / export_s:.2f}")
             table.add_row(*map(str, row), chosen)

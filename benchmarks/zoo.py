@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import hf_zoo  # noqa: E402
 import zoo_plans as zoo  # noqa: E402
 
-from autoshard.cost import node_costs  # noqa: E402
-from autoshard.hardware import Hardware  # noqa: E402
+from autoshard.cost.hardware import Hardware  # noqa: E402
+from autoshard.cost.model import node_costs  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
-from autoshard.planner import plan_graph  # noqa: E402
+from autoshard.planning.planner import plan_graph  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402
-from autoshard.trace import trace  # noqa: E402
+from autoshard.tracing.trace import trace  # noqa: E402
 
 MESH = (2, 2, 2)
 

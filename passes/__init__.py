@@ -11,8 +11,8 @@ import copy
 
 from torch import fx
 
-from autoshard.plan import Plan
-from autoshard.trace import Traced
+from autoshard.planning.plan import Plan
+from autoshard.tracing.trace import Traced
 from passes.insert_collectives import InsertCollectives
 from passes.localize import Localize
 from passes.outline_checkpoints import OutlineCheckpoints

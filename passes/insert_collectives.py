@@ -8,9 +8,9 @@ the partial sums are reduced). Model outputs are gathered to replicated.
     # before
     linear = aten.linear(x, w, b)
     # after
-    all_gather = autoshard.comm.all_gather(x, axis='b', dim=0, backward='reduce_scatter', ...)
+    all_gather = autoshard.runtime.comm.all_gather(x, axis='b', dim=0, backward=..., ...)
     linear = aten.linear(all_gather, w)
-    reduce_scatter = autoshard.comm.reduce_scatter(linear, axis='c', dim=0, ...)
+    reduce_scatter = autoshard.runtime.comm.reduce_scatter(linear, axis='c', dim=0, ...)
     add = aten.add(reduce_scatter, b)
 """
 
@@ -20,12 +20,12 @@ from torch import fx
 from torch.ops import aten
 from torch.utils import _pytree as pytree
 
-from autoshard import ops
-from autoshard.comm import STEP_FUNCTIONS
 from autoshard.layout import Step
-from autoshard.plan import Plan
+from autoshard.planning.plan import Plan
+from autoshard.runtime import ops
+from autoshard.runtime.comm import STEP_FUNCTIONS
 from autoshard.strategies.conv import CONVOLUTIONS
-from autoshard.trace import tensor_inputs
+from autoshard.tracing.trace import tensor_inputs
 
 # A layer whose bias is added after its output collectives runs without it first.
 _WITHOUT_BIAS = {

@@ -2,10 +2,10 @@
 
 ATen ops mostly work on shards unchanged. The ones that do not are either
 given their local shape arguments, or lowered to the implementation in
-`autoshard.ops` their strategy names:
+`autoshard.runtime.ops` their strategy names:
 
     # before                                      # after (features split over c)
-    layer_norm = aten.layer_norm(x, [16], w, b)   layer_norm = autoshard.ops.layer_norm(
+    layer_norm = aten.layer_norm(x, [16], w, b)   layer_norm = autoshard.runtime.ops.layer_norm(
                                                       x, w, b, 1e-05, normalized_ndim=1,
                                                       axes=('c',), node='layer_norm')
 """
@@ -17,13 +17,13 @@ import warnings
 from torch import fx
 from torch.ops import aten
 
-from autoshard import ops
 from autoshard.mesh import Mesh
-from autoshard.modes import FOLLOWS_MODE
-from autoshard.plan import NodePlan, Plan
+from autoshard.planning.plan import NodePlan, Plan
+from autoshard.runtime import ops
 from autoshard.strategies.conv import local_groups
 from autoshard.strategies.inplace import out_of_place
-from autoshard.trace import argument
+from autoshard.tracing.modes import FOLLOWS_MODE
+from autoshard.tracing.trace import argument
 
 
 def _layer_norm(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:

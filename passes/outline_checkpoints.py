@@ -8,7 +8,7 @@ it, collectives included, from its inputs alone:
     checkpoint = torch.utils.checkpoint.checkpoint(recompute_blocks_1, add_4, ...,
         use_reentrant=False, context_fn=recompute_context, early_stop=False)
 
-`recompute_context` (autoshard.comm) replays on the mesh of the first forward and
+`recompute_context` (autoshard.runtime.comm) replays on the mesh of the first forward and
 logs the replayed collectives as "recompute".
     getitem = checkpoint[0]
 """
@@ -22,8 +22,8 @@ import warnings
 import torch.utils.checkpoint
 from torch import fx
 
-from autoshard.comm import recompute_context
-from autoshard.plan import Plan
+from autoshard.planning.plan import Plan
+from autoshard.runtime.comm import recompute_context
 
 
 def _members(graph: fx.Graph, region: str, plan: Plan) -> list[fx.Node]:

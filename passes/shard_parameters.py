@@ -13,13 +13,13 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard.comm import current_mesh, local_part
 from autoshard.layout import Layout
-from autoshard.plan import Plan
+from autoshard.planning.plan import Plan
+from autoshard.runtime.comm import current_mesh, local_part
 
 
 class ShardParameters:
-    """Needs the mesh bound (`autoshard.comm.bound`): each rank keeps its own part."""
+    """Needs the mesh bound (`autoshard.runtime.comm.bound`): each rank keeps its own part."""
 
     def __init__(self, plan: Plan, parameters: dict[str, torch.Tensor]):
         self.plan = plan

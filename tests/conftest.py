@@ -2,7 +2,7 @@
 
 import pytest
 
-from autoshard.ranks import RankPool, shared_pool
+from autoshard.runtime.ranks import RankPool, shared_pool
 
 
 @pytest.fixture(scope="session")

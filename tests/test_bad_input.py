@@ -17,13 +17,13 @@ from torch import nn
 import autoshard
 from autoshard import PlanError
 from autoshard.cli import main
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.planner import plan_graph
-from autoshard.ranks import shared_pool
-from autoshard.trace import trace
-from autoshard.verify import check_plan
+from autoshard.planning.plan import Plan
+from autoshard.planning.planner import plan_graph
+from autoshard.planning.verify import check_plan
+from autoshard.runtime.ranks import shared_pool
+from autoshard.tracing.trace import trace
 
 MESH = (2, 2, 2)
 HERE = Path(__file__)

@@ -13,11 +13,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
 import autoshard
-from autoshard import comm
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
+from autoshard.runtime import comm
 from autoshard.testing import load_factory
-from autoshard.trace import trace
+from autoshard.tracing.trace import trace
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 GPT, LLAMA = f"{EXAMPLES / 'gpt.py'}:gpt", f"{EXAMPLES / 'llama.py'}:llama"

@@ -39,7 +39,7 @@ def test_show_3d(capsys):
     summary = out[out.index("predicted communication") :]
     assert "total" in summary and "reduce_scatter" in summary
     assert "rank 0's program" in out
-    assert "autoshard_comm_all_gather(" in out and "autoshard_comm_reduce_scatter(" in out
+    assert "autoshard_runtime_comm_all_gather(" in out and "autoshard_runtime_comm_reduce_scatter(" in out
     assert "layers.0.fc1.weight" in out and "rows 0:16, cols 0:8" in out
 
 
@@ -169,16 +169,16 @@ def _show_flags() -> set[str]:
 def test_every_show_flag_reaches_the_planner(capsys, monkeypatch):
     # Each planning flag, set away from its default, arrives at plan_model as given;
     # the display flags change only what is printed. A new flag must join one list.
-    from autoshard import solver
+    from autoshard import api
 
     received = {}
-    real = solver.plan_model
+    real = api.plan_model
 
-    def spy(traced, mesh, **settings):
-        received.update(settings, mesh=mesh)
-        return real(traced, mesh, **settings)
+    def spy(traced, mesh, options):
+        received.update(vars(options), mesh=mesh)
+        return real(traced, mesh, options)
 
-    monkeypatch.setattr(solver, "plan_model", spy)
+    monkeypatch.setattr(api, "plan_model", spy)
     planning = {
         "--mesh": ("1x2x4", lambda got: got["mesh"] == Mesh.from_shape((1, 2, 4))),
         "--strategy": ("3d-allreduce", lambda got: got["strategy"] == "3d-allreduce"),

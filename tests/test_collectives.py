@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from autoshard import comm
 from autoshard.layout import Layout, redistribute
 from autoshard.mesh import Mesh
-from autoshard.ranks import shared_pool
+from autoshard.runtime import comm
+from autoshard.runtime.ranks import shared_pool
 
 SHAPE = (8, 4, 8)
 LAYOUTS = [

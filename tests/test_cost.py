@@ -13,8 +13,9 @@ from models import H, O, T, three_linears
 from torch import nn
 
 import autoshard
-from autoshard import cost
-from autoshard.cost import (
+from autoshard.cost import model as cost
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import (
     Cost,
     linear_3d_volume,
     node_compute_time,
@@ -23,10 +24,9 @@ from autoshard.cost import (
     saved_bytes,
     step_time,
 )
-from autoshard.hardware import Hardware
 from autoshard.layout import Step
 from autoshard.mesh import Mesh
-from autoshard.trace import tensor_inputs, trace
+from autoshard.tracing.trace import tensor_inputs, trace
 
 
 def _shapes(node):

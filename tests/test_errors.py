@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.ranks import RankError, shared_pool
+from autoshard.runtime.ranks import RankError, shared_pool
 from autoshard.testing import load_factory
 
 MODELS = str(Path(__file__).parent / "models.py")

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from autoshard.calibrate import calibrate
 from autoshard.cli import main
-from autoshard.hardware import DEFAULT, Hardware, HardwareError, Link, presets
+from autoshard.cost.hardware import DEFAULT, Hardware, HardwareError, Link, presets
+from autoshard.runtime.calibrate import calibrate
 
 
 def test_presets_load():

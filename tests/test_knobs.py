@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 import autoshard
-from autoshard.cost import node_costs
-from autoshard.estimate import first_users
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import node_costs
 from autoshard.mesh import Mesh
-from autoshard.planner import Knobs, default_split, plan_graph
-from autoshard.ranks import shared_pool
+from autoshard.planning.estimate import first_users
+from autoshard.planning.planner import Knobs, default_split, plan_graph
+from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
-from autoshard.trace import trace
+from autoshard.tracing.trace import trace
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
 MESH = (2, 2, 2)

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import autoshard
-from autoshard.ranks import shared_pool
+from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
 
 ROOT = Path(__file__).parents[1]

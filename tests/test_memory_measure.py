@@ -10,15 +10,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import autoshard
-from autoshard.cost import node_costs
-from autoshard.estimate import estimate, first_users, own_memory, totals
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import node_costs
 from autoshard.mesh import Mesh
-from autoshard.planner import Knobs, plan_graph
-from autoshard.ranks import shared_pool
+from autoshard.planning.estimate import estimate, first_users, own_memory, totals
+from autoshard.planning.planner import Knobs, plan_graph
+from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import load_factory, measure_memory
-from autoshard.trace import trace
-from autoshard.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.tracing.trace import trace
 
 ROOT = Path(__file__).parents[1]
 BATCH, SEQ, VOCAB, HIDDEN = 8, 32, 64, 32

@@ -1,4 +1,4 @@
-"""Tests of the persistent gloo rank pool in autoshard.ranks."""
+"""Tests of the persistent gloo rank pool in autoshard.runtime.ranks."""
 
 import os
 import pickle
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autoshard.ranks import RankError, RankPool
+from autoshard.runtime.ranks import RankError, RankPool
 
 
 def _axis_sum(mesh, axis):

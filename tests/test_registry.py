@@ -12,12 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
 from autoshard.mesh import Mesh
-from autoshard.planner import plan_graph
-from autoshard.ranks import shared_pool
+from autoshard.planning.planner import plan_graph
+from autoshard.runtime.ranks import shared_pool
 from autoshard.strategies import register, rule_for
 from autoshard.strategies.linear import matmul
 from autoshard.testing import load_factory
-from autoshard.trace import trace
+from autoshard.tracing.trace import trace
 
 GPT = Path(__file__).parents[1] / "examples/gpt.py"
 MESH = (2, 2, 2)

@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.ranks import RankError, shared_pool
-from autoshard.solver import (
+from autoshard.planning.plan import Plan
+from autoshard.planning.solver import (
     SPACES,
     BudgetError,
     Problem,
@@ -27,8 +26,9 @@ from autoshard.solver import (
     solve,
     solve_priced,
 )
+from autoshard.runtime.ranks import RankError, shared_pool
 from autoshard.testing import assert_equivalent, load_factory
-from autoshard.trace import trace
+from autoshard.tracing.trace import trace
 
 ROOT = Path(__file__).parents[1]
 GPT, LLAMA, MLP = (
@@ -187,8 +187,8 @@ def test_ranks_that_plan_differently_fail_clearly():
 
 
 def test_blocks_are_cut_where_one_activation_carries_everything():
-    from autoshard.planner import plan_graph
-    from autoshard.units import units_of
+    from autoshard.planning.planner import plan_graph
+    from autoshard.planning.units import units_of
 
     def units(spec):
         model, inputs = load_factory(spec)()

@@ -19,12 +19,12 @@ from torch import fx
 from torch.ops import aten
 from torch.utils import _pytree as pytree
 
-from autoshard import comm
 from autoshard.api import ParallelModule
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
-from autoshard.planner import plan_graph
-from autoshard.trace import InputSpec, Traced
+from autoshard.planning.planner import plan_graph
+from autoshard.runtime import comm
+from autoshard.tracing.trace import InputSpec, Traced
 from passes import ShardParameters, emit
 
 CASES_PER_MESH = 200

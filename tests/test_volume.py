@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.ranks import shared_pool
+from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import load_factory
 
 MODELS = str(Path(__file__).parent / "models.py")

@@ -21,7 +21,7 @@ import hf_zoo  # noqa: E402
 import zoo_plans as zoo  # noqa: E402
 
 from autoshard import errors  # noqa: E402
-from autoshard.ranks import RankError  # noqa: E402
+from autoshard.runtime.ranks import RankError  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402
 
 FAST_MODELS = [

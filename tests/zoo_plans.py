@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 import autoshard
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.solver import build_problem, smallest_peak
+from autoshard.planning.plan import Plan
+from autoshard.planning.solver import build_problem, smallest_peak
 from autoshard.testing import load_factory
-from autoshard.trace import trace
+from autoshard.tracing.trace import trace
 
 ZOO = Path(__file__).with_name("hf_zoo.py")
 HARDWARE = "nvlink-8"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import (
+from autoshard.strategies.base import (
     Context,
     Strategy,
     Unclaimed,
@@ -23,7 +23,7 @@ from autoshard.strategies import (
 )
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.views import _dim_arg, _unshard
-from autoshard.trace import argument
+from autoshard.tracing.trace import argument
 
 
 def _query_layouts(ctx: Context) -> list[Layout]:

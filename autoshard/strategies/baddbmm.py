@@ -10,7 +10,7 @@ import dataclasses
 
 from torch.ops import aten
 
-from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Strategy, make, register
 from autoshard.strategies.linear import activation_product
 from autoshard.strategies.pointwise import aligned
 

@@ -25,7 +25,7 @@ from itertools import product
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import (
+from autoshard.strategies.base import (
     Context,
     Strategy,
     Unclaimed,
@@ -34,7 +34,7 @@ from autoshard.strategies import (
     replicated_fallback,
 )
 from autoshard.strategies.linear import _layout, _roles, _valid
-from autoshard.trace import argument
+from autoshard.tracing.trace import argument
 
 CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
 

@@ -3,7 +3,7 @@ input like the ones in `pointwise.py` (every argument acts element by element)."
 
 from torch.ops import aten
 
-from autoshard.strategies import register
+from autoshard.strategies.base import register
 from autoshard.strategies.pointwise import follow
 
 ELEMENTWISE = (

@@ -17,8 +17,8 @@ from itertools import permutations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, Unclaimed, make, register
-from autoshard.trace import argument
+from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
+from autoshard.tracing.trace import argument
 
 
 def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:

@@ -1,4 +1,4 @@
-"""Experts' products (`autoshard.experts.grouped_mm_nt`): tensor parallel inside every
+"""Experts' products (`autoshard.tracing.experts.grouped_mm_nt`): tensor parallel inside every
 expert, the tokens whole.
 
 For x [S, H] (tokens sorted by expert), w [E, O, H] and offs [E], the rows of
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from itertools import permutations
 
-from autoshard.experts import grouped_mm_nt
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies.base import Context, Strategy, make, register, replicated_fallback
 from autoshard.strategies.linear import _valid
+from autoshard.tracing.experts import grouped_mm_nt
 
 
 @register(grouped_mm_nt)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.errors import StrategyError
-from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Strategy, make, register
 from autoshard.strategies.pointwise import aligned
 
 IN_PLACE = (

@@ -29,7 +29,7 @@ from itertools import permutations, product
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import (
+from autoshard.strategies.base import (
     Context,
     Strategy,
     Unclaimed,
@@ -38,7 +38,7 @@ from autoshard.strategies import (
     replicated_fallback,
 )
 from autoshard.strategies.pointwise import aligned
-from autoshard.trace import argument
+from autoshard.tracing.trace import argument
 
 
 def _layout(ndim: int, placed: list[tuple[int, tuple[str, ...]]], partial=()) -> Layout:

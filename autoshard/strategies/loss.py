@@ -13,8 +13,8 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
-from autoshard.strategies import Context, Strategy, Unclaimed, make, register
-from autoshard.trace import argument
+from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
+from autoshard.tracing.trace import argument
 
 
 @register(aten.cross_entropy_loss.default)

@@ -8,8 +8,8 @@ import math
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
-from autoshard.strategies import Context, Strategy, make, register
-from autoshard.trace import argument
+from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.tracing.trace import argument
 
 
 @register(aten.layer_norm.default)

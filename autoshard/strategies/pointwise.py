@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Strategy, make, register
 
 POINTWISE = (
     aten.add.Tensor,

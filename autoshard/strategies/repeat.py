@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, Unclaimed, make, register
-from autoshard.trace import argument
+from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
+from autoshard.tracing.trace import argument
 
 
 @register(aten.repeat.default)

@@ -5,7 +5,7 @@ part they need for free."""
 
 from torch.ops import aten
 
-from autoshard.strategies import register, replicated_fallback
+from autoshard.strategies.base import register, replicated_fallback
 
 REPLICATED = (
     aten.arange.default,

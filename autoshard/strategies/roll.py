@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies import Context, Strategy, make, register
-from autoshard.trace import argument
+from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.tracing.trace import argument
 
 
 @register(aten.roll.default)

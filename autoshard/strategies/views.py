@@ -17,7 +17,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
-from autoshard.strategies import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Strategy, make, register
 
 
 def _groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:

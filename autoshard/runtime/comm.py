@@ -3,7 +3,7 @@
 The emitted program calls these functions by name, so a reader of
 `ParallelModule.code` sees every collective with its axis and its backward:
 
-    all_gather = autoshard.comm.all_gather(x, axis='b', dim=0,
+    all_gather = autoshard.runtime.comm.all_gather(x, axis='b', dim=0,
                                            backward='reduce_scatter', node='linear_1')
 
 Each is a forward/backward pair from DESIGN.md's table; `backward` names

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import nnls
 
+from autoshard.cost.hardware import Hardware, Link
 from autoshard.errors import MeshError
-from autoshard.hardware import Hardware, Link
 from autoshard.mesh import DEFAULT_AXIS_NAMES, Mesh
 
 SIZES = (4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes of the full buffer
@@ -51,7 +51,7 @@ def calibrate(
 
     In an initialized process group, every rank must call it, with a mesh over
     the whole world; otherwise it runs on ``prod(mesh_shape)`` local gloo ranks
-    (`autoshard.ranks.shared_pool`).
+    (`autoshard.runtime.ranks.shared_pool`).
     """
     shape = tuple(int(s) for s in mesh_shape)
     base = base if isinstance(base, Hardware) else Hardware.load(base)
@@ -67,7 +67,7 @@ def calibrate(
         device = "cuda" if "nccl" in dist.get_backend() else "cpu"
         mesh = init_device_mesh(device, shape, mesh_dim_names=DEFAULT_AXIS_NAMES[: len(shape)])
         return measure(mesh, base, sizes, repeats)
-    from autoshard.ranks import shared_pool
+    from autoshard.runtime.ranks import shared_pool
 
     return shared_pool(math.prod(shape)).run(measure, shape, base, sizes, repeats)[0]
 

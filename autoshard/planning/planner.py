@@ -7,7 +7,7 @@ how its input is stored, and every other op follows its inputs. Parameters
 are stored the way their first consumer wants them; inputs arrive whole on
 every rank and are split on entry the way the first 3D linear reads them.
 
-    >>> from autoshard.trace import trace
+    >>> from autoshard.tracing.trace import trace
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     >>> traced = trace(model, (torch.randn(8, 16),))
@@ -31,7 +31,7 @@ from torch import fx
 from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
 from autoshard.mesh import Mesh
-from autoshard.plan import NodePlan, Plan
+from autoshard.planning.plan import NodePlan, Plan
 from autoshard.strategies import (
     FAMILIES,
     Context,
@@ -41,7 +41,7 @@ from autoshard.strategies import (
     replicated_fallback,
     rule_for,
 )
-from autoshard.trace import Traced, module_path, tensor_inputs
+from autoshard.tracing.trace import Traced, module_path, tensor_inputs
 
 
 def check_strategy(strategy) -> None:
@@ -146,7 +146,7 @@ def plan_graph(
     - `order`: the mesh axes in the order the planner prefers them (for roles
       that cost the same, the first axis takes M, the next N, the last K);
       default the mesh's own. The solver plans each family in every order that
-      costs differently (`autoshard.solver.orientations`).
+      costs differently (`autoshard.planning.solver.orientations`).
     - `knobs` (node name → Knobs): a layer's knobs.
     - `fixed` (node name → Strategy): take this strategy for the node (its knobs
       still turn it); `crossing` (node name → input name → layout): convert

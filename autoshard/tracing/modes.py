@@ -27,7 +27,7 @@ from torch.ops import aten
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import TraceError
-from autoshard.trace import Traced, trace
+from autoshard.tracing.trace import Traced, trace
 
 FOLLOWS_MODE = "autoshard_dropout_follows_mode"
 

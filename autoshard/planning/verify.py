@@ -10,7 +10,7 @@ stored layouts into the ones the node reads and stores. A hand-edited layout
 fails one of these and names the node.
 
     >>> import autoshard
-    >>> from autoshard.trace import trace
+    >>> from autoshard.tracing.trace import trace
     >>> model, x = torch.nn.Linear(16, 8), torch.randn(8, 16)
     >>> plan = autoshard.plan(model, (2, 2, 2), (x,))
     >>> check_plan(plan, trace(model, (x,)))  # the model it was made for: passes
@@ -31,10 +31,10 @@ from torch import fx
 from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.plan import NodePlan, Plan
-from autoshard.planner import _candidates, _regathered
+from autoshard.planning.plan import NodePlan, Plan
+from autoshard.planning.planner import _candidates, _regathered
 from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback
-from autoshard.trace import Traced, module_path, tensor_inputs
+from autoshard.tracing.trace import Traced, module_path, tensor_inputs
 
 _AGAIN = "plan again for this model (autoshard.plan, or parallelize without plan=)"
 

@@ -2,7 +2,7 @@
 whether to recompute it, and each layer's knobs: the minimum predicted step time
 whose peak per-rank memory fits the budget.
 
-The graph is cut into units (`autoshard.units`): each repeated block
+The graph is cut into units (`autoshard.planning.units`): each repeated block
 (``blocks.3``), cut again wherever one activation carries everything forward
 (a transformer block's attention and MLP become ``blocks.3#0`` and
 ``blocks.3#1``), and the rest of the model before and after the blocks. Each
@@ -18,7 +18,7 @@ variant comes from planning the whole model in that variant once (identical
 blocks are costed once); a knob's cost is the difference it makes to its
 own layer, since no knob changes a layout. Two neighbouring units in
 different variants also pay for converting what crosses between them.
-Memory is tracked unit by unit (`autoshard.estimate`): parameters P, then
+Memory is tracked unit by unit (`autoshard.planning.estimate`): parameters P, then
 each unit keeps kept[u] from its forward to its backward, and holds high[u]
 of its own plus its largest transient buffer T[u] while it runs. The integer
 program HiGHS solves:
@@ -49,15 +49,16 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from autoshard.cost import node_cost, node_costs
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
-from autoshard.estimate import Totals, estimate, first_users, own_memory, totals
-from autoshard.hardware import Hardware
 from autoshard.mesh import Mesh
-from autoshard.plan import Plan
-from autoshard.planner import Knobs, check_strategy, default_split, plan_graph, replanned
-from autoshard.trace import Traced, tensor_inputs
-from autoshard.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
+from autoshard.planning.options import PlanOptions
+from autoshard.planning.plan import Plan
+from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
+from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.tracing.trace import Traced, tensor_inputs
 
 SPACES = {
     "3d": ("3d", "3d-allreduce", "replicated"),
@@ -629,23 +630,16 @@ def brute_force(problem: Problem, budget: float | None) -> dict[str, Option] | N
     return best
 
 
-def plan_model(
-    traced: Traced,
-    mesh: Mesh,
-    *,
-    strategy=None,
-    memory_budget: float | None = None,
-    hardware: Hardware,
-    strategy_space: str = "3d",
-    optimizer: float = 2.0,
-) -> Plan:
-    """The plan: forced by `strategy`, else solved; with its predicted cost.
+def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+    """The plan: forced by `options.strategy`, else solved; with its predicted cost.
 
-    The solver's budget is `memory_budget`, or the hardware's memory per device.
-    A single family with a budget solves only where to recompute."""
-    if strategy_space not in SPACES:
+    The solver's budget is `options.memory_budget`, or the hardware's memory per
+    device. A single family with a budget solves only where to recompute."""
+    strategy, memory_budget, hardware = options.strategy, options.memory_budget, options.hardware
+    if options.strategy_space not in SPACES:
         raise StrategyError(
-            f"strategy space {strategy_space!r} is not available: choose one of {sorted(SPACES)}"
+            f"strategy space {options.strategy_space!r} is not available: "
+            f"choose one of {sorted(SPACES)}"
         )
     if strategy is not None and (memory_budget is None or not isinstance(strategy, str)):
         if memory_budget is not None:
@@ -653,17 +647,19 @@ def plan_model(
         plan = plan_graph(traced, mesh, strategy)
     else:
         check_strategy(strategy)
-        space = (strategy,) if strategy else SPACES[strategy_space]
+        space = (strategy,) if strategy else SPACES[options.strategy_space]
         if memory_budget is None:
             memory_budget = hardware.memory_per_device
         # A family the user forced must fit every node; the solver's own choice falls
         # back node by node to the next family that fits.
-        problem = build_problem(traced, mesh, hardware, space, optimizer, fallback=not strategy)
+        problem = build_problem(
+            traced, mesh, hardware, space, options.optimizer, fallback=not strategy
+        )
         choice = solve(problem, memory_budget)
-        plan = plan_choice(traced, mesh, problem, choice, hardware, optimizer)
+        plan = plan_choice(traced, mesh, problem, choice, hardware, options.optimizer)
         plan.reasons = reasons(problem, choice, memory_budget)
         return plan
-    plan.cost = estimate(traced, plan, hardware, optimizer)
+    plan.cost = estimate(traced, plan, hardware, options.optimizer)
     return plan
 
 

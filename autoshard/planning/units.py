@@ -7,8 +7,8 @@ memory is tracked unit by unit: what each keeps until its backward runs.
     >>> import torch
     >>> from torch import nn
     >>> from autoshard.mesh import Mesh
-    >>> from autoshard.planner import plan_graph
-    >>> from autoshard.trace import trace
+    >>> from autoshard.planning.planner import plan_graph
+    >>> from autoshard.tracing.trace import trace
     >>> model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)))
     >>> traced = trace(model, (torch.randn(4, 8),))
     >>> units_of(traced, plan_graph(traced, Mesh.from_shape((2, 2, 2)), "3d"))["relu_1"]
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from autoshard.plan import Plan
-from autoshard.trace import Traced
+from autoshard.planning.plan import Plan
+from autoshard.tracing.trace import Traced
 
 
 def unit_of(path: str) -> str:

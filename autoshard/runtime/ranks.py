@@ -12,7 +12,7 @@ Example::
     import torch
     import torch.distributed as dist
 
-    from autoshard.ranks import shared_pool
+    from autoshard.runtime.ranks import shared_pool
 
     def axis_sum(mesh, axis):
         t = torch.tensor([float(dist.get_rank())])

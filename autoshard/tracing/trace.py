@@ -21,8 +21,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard.canonical import canonicalize
 from autoshard.errors import InputError, TraceError
+from autoshard.tracing.canonical import canonicalize
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Traced:
     parameters: dict[str, torch.Tensor]  # FQN → tensor (parameters and buffers)
     aliases: dict[str, tuple[str, ...]]  # FQN → every name the model knows it by (tied weights)
     transient: frozenset[str] = frozenset()  # FQNs not in the model's state_dict (non-persistent)
-    training: bool = True  # the mode a ParallelModule starts in (`autoshard.modes`)
+    training: bool = True  # the mode a ParallelModule starts in (`autoshard.tracing.modes`)
     refused_modes: dict[bool, str] = field(default_factory=dict)  # mode → why not
     inputs: tuple[InputSpec, ...] = ()  # what each example input was, in placeholder order
     signature: inspect.Signature | None = field(default=None, repr=False)  # of model.forward

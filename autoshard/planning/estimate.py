@@ -7,7 +7,7 @@ Time is the sum over nodes of forward and backward compute and collectives,
 plus, for nodes in a recomputed region, their forward compute and
 collectives once more.
 
-Memory follows the step unit by unit (`autoshard.units`): parameters with
+Memory follows the step unit by unit (`autoshard.planning.units`): parameters with
 their gradients and optimizer state live throughout; each unit keeps what
 it saves for backward (a recomputed unit only its inputs) from its forward
 until its own backward, so while unit u runs — forward, or backward after
@@ -27,11 +27,11 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from autoshard.cost import Cost, NodeCost, node_costs, parameter_bytes
-from autoshard.hardware import Hardware
-from autoshard.plan import Plan
-from autoshard.trace import Traced, tensor_inputs
-from autoshard.units import units_of
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import Cost, NodeCost, node_costs, parameter_bytes
+from autoshard.planning.plan import Plan
+from autoshard.planning.units import units_of
+from autoshard.tracing.trace import Traced, tensor_inputs
 
 
 @dataclass(frozen=True)

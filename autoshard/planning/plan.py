@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from autoshard.cost import Cost
+from autoshard.cost.model import Cost
 from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh

@@ -31,8 +31,8 @@ Memory, in bytes per rank:
     (8.660337777777779e-06, 8.660337777777779e-06)
     >>> ALL_REDUCE.expr
     2*S*(n - 1)/(beta*n) + 2*alpha*(n - 1)
-    >>> from autoshard.planner import plan_graph
-    >>> from autoshard.trace import trace
+    >>> from autoshard.planning.planner import plan_graph
+    >>> from autoshard.tracing.trace import trace
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
     >>> traced = trace(model, (torch.randn(8, 16),))
@@ -57,14 +57,14 @@ import torch
 from torch import fx
 from torch.ops import aten
 
-from autoshard.hardware import Hardware
+from autoshard.cost.hardware import Hardware
 from autoshard.layout import Step
 from autoshard.mesh import Mesh
-from autoshard.trace import tensor_inputs
+from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
-    from autoshard.plan import NodePlan, Plan
-    from autoshard.trace import Traced
+    from autoshard.planning.plan import NodePlan, Plan
+    from autoshard.tracing.trace import Traced
 
 
 class Formula:
@@ -402,7 +402,7 @@ def saved(
 
 
 def _lowered_layer_norm(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.ops.layer_norm` over sharded features keeps the centered input, rstd
+    """`autoshard.runtime.ops.layer_norm` over sharded features keeps the centered input, rstd
     per row (in the input's dtype), the normalized input (for the weight's gradient)
     and the weight (for the input's)."""
     x, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
@@ -412,7 +412,7 @@ def _lowered_layer_norm(node, in_shapes, out_shape, ng) -> Saved:
 
 
 def _lowered_cross_entropy(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.ops.cross_entropy` over sharded logits keeps the local softmax and per
+    """`autoshard.runtime.ops.cross_entropy` over sharded logits keeps the local softmax and per
     row the target's index (int64) and two bool masks."""
     logits, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
     rows = _numel(in_shapes[0][:-1])
@@ -420,7 +420,7 @@ def _lowered_cross_entropy(node, in_shapes, out_shape, ng) -> Saved:
 
 
 def _lowered_vocab_embedding(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.ops.vocab_embedding` keeps the local indices and the float mask of the
+    """`autoshard.runtime.ops.vocab_embedding` keeps the local indices and the float mask of the
     ids this rank holds."""
     ids = _numel(in_shapes[1])
     return Saved(extra_bytes=ids * (8 + _itemsize(node)))

@@ -4,7 +4,7 @@ A `Hardware` profile gives the compute roofline of one device (peak FLOP/s per
 dtype, memory bandwidth, an efficiency and a per-op launch floor), its memory,
 and one alpha-beta `Link` per mesh axis: an axis may run inside a node over
 NVLink or across nodes over InfiniBand, so each has its own latency α and
-bandwidth β. Presets live in ``autoshard/profiles/NAME.json``; `autoshard
+bandwidth β. Presets live in ``autoshard/cost/profiles/NAME.json``; `autoshard
 calibrate` measures a profile on a live mesh and writes the same format.
 
     >>> hw = Hardware.load("nvlink-8")                  # a preset, or a path to a JSON file
@@ -113,7 +113,7 @@ class Hardware:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HardwareError(
                 f"malformed hardware profile {data.get('name', '?')!r}: {type(e).__name__}: {e}; "
-                "see autoshard/profiles/*.json for the format"
+                "see autoshard/cost/profiles/*.json for the format"
             ) from None
         if len(hardware.axes) != 3:
             raise HardwareError(
@@ -131,7 +131,7 @@ class Hardware:
                 raise HardwareError(f"no hardware profile file at {str(path)!r}")
             text = path.read_text()
         else:
-            preset = resources.files("autoshard") / "profiles" / f"{name_or_path}.json"
+            preset = resources.files("autoshard.cost") / "profiles" / f"{name_or_path}.json"
             if not preset.is_file():
                 raise HardwareError(
                     f"unknown hardware {str(name_or_path)!r}: choose a preset "
@@ -150,7 +150,7 @@ class Hardware:
 
 def presets() -> list[str]:
     """The names of the bundled presets."""
-    folder = resources.files("autoshard") / "profiles"
+    folder = resources.files("autoshard.cost") / "profiles"
     return sorted(
         p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
     )

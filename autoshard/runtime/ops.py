@@ -1,7 +1,7 @@
 """Local implementations of ops whose sharded form is not the ATen op on shards.
 
 The emitted program calls these where a node's strategy names a lowering;
-their collectives go through `autoshard.comm`, so they are logged and
+their collectives go through `autoshard.runtime.comm`, so they are logged and
 differentiable like any other.
 """
 
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from autoshard import comm
+from autoshard.runtime import comm
 
 
 def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, ...], node: str):

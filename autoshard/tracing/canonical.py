@@ -10,7 +10,7 @@ rule would see as a layer. It is ``aten.linear(x, weight)``, exactly:
 
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
-`autoshard.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
+`autoshard.tracing.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
 
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import fx
 from torch.ops import aten
 
-from autoshard.experts import GROUPED_MM, grouped_mm_nt
+from autoshard.tracing.experts import GROUPED_MM, grouped_mm_nt
 
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _PRODUCTS = (aten.matmul.default, aten.mm.default)

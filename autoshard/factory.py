@@ -1,0 +1,19 @@
+"""Models named on the command line or in a rank job: ``path/to/file.py:factory``."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+
+def load_factory(spec: str):
+    """`path/to/file.py:name` → the callable `name` defined in that file."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"expected MODEL as path/to/file.py:factory, got {spec!r}")
+    module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if module_spec is None:
+        raise FileNotFoundError(f"no Python file at {path!r}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, name)

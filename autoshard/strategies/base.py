@@ -1,0 +1,148 @@
+"""What a rule is and how it is registered: `Strategy`, `Context`, `register`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from autoshard.layout import Layout, Step
+from autoshard.mesh import Mesh
+
+FAMILIES = ("3d", "3d-allreduce", "replicated", "any", "any-allreduce")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    family: str
+    inputs: tuple[Layout, ...]
+    output: Layout
+    stored: Layout
+    grad_partial: tuple[frozenset[str], ...]
+    storage: tuple[
+        Layout | None, ...
+    ] = ()  # for inputs the node owns (parameters): how to store them
+    epilogue: tuple[int, ...] = ()  # inputs applied after the output collectives (a linear's bias)
+    lowering: str | None = (
+        None  # a local implementation in autoshard.runtime.ops instead of the ATen op
+    )
+    internal: tuple[Step, ...] = ()  # collectives inside the lowering (a norm's statistics)
+    outputs: tuple[Layout, ...] = ()  # per output, for ops that return several tensors
+    detail: str = ""
+    # The two knobs of a layer (DESIGN.md): is the weight stored split over the M axes
+    # too and gathered before use (True), or kept whole over them with its gradient
+    # all-reduced (False); None where the op has no such choice.
+    split_weight: bool | None = None
+    # Inputs saved for backward as the shard they are stored in and gathered again
+    # there, instead of as the gathered operand the op computes on.
+    regather: tuple[int, ...] = ()
+
+    def storage_for(self, i: int) -> Layout:
+        own = self.storage[i] if i < len(self.storage) else None
+        return own or self.inputs[i]
+
+
+def make(
+    family: str,
+    inputs,
+    output: Layout,
+    stored: Layout | None = None,
+    *,
+    relative_to: dict[int, Layout] | None = None,
+    **kw,
+) -> Strategy:
+    """A strategy whose replicated inputs get partial gradients where the work is split.
+
+    An input replicated over an axis that its node's output is not
+    replicated over feeds split work: each rank's gradient is a share of
+    the whole. `relative_to` names another output layout for some inputs
+    (a bias added after the output collectives).
+    """
+    inputs = tuple(inputs)
+    grads = []
+    for i, layout in enumerate(inputs):
+        out = (relative_to or {}).get(i, output)
+        axes = {a for a in out.sharded_axes + out.partial if layout.replicates(a)}
+        grads.append(frozenset(axes))
+    return Strategy(family, inputs, output, stored or output, tuple(grads), **kw)
+
+
+@dataclass
+class Context:
+    node: fx.Node
+    mesh: Mesh
+    inputs: list[fx.Node]  # tensor inputs, in argument order
+    layouts: list[
+        Layout | None
+    ]  # their stored layouts; None where the node may choose (parameters)
+    family: str
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return tuple(self.inputs[i].meta["val"].shape)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        val = self.node.meta["val"]
+        return tuple(val.shape) if is_tensor(self.node) else ()
+
+    def layout(self, i: int) -> Layout:
+        return self.layouts[i] or Layout.replicated(len(self.shape(i)))
+
+
+class Unclaimed(Exception):
+    """Raised by a rule for a call it does not handle (an argument value it has no
+    sharded form for, such as a dropout inside attention): the node runs replicated,
+    with a warning naming `reason`."""
+
+
+Rule = Callable[[Context], list[Strategy]]
+_REGISTRY: dict[object, Rule] = {}
+
+
+def register(*ops) -> Callable[[Rule], Rule]:
+    """Register `rule` for each of `ops`; an op registered twice is an error (the
+    second rule would silently replace the first)."""
+
+    def wrap(rule: Rule) -> Rule:
+        for op in ops:
+            if op in _REGISTRY:
+                raise ValueError(
+                    f"{op} already has the rule {_REGISTRY[op].__module__}."
+                    f"{_REGISTRY[op].__qualname__}; {rule.__module__}.{rule.__qualname__} "
+                    "cannot claim it too: one rule per op"
+                )
+            _REGISTRY[op] = rule
+        return rule
+
+    return wrap
+
+
+def rule_for(target) -> Rule | None:
+    return _REGISTRY.get(target)
+
+
+def replicated_fallback(ctx: Context) -> list[Strategy]:
+    inputs = [Layout.replicated(len(ctx.shape(i))) for i in range(len(ctx.inputs))]
+    val = ctx.node.meta["val"]
+    # an op with several outputs (topk: values and indices) lays out each of them
+    several = isinstance(val, (tuple, list))
+    outputs = tuple(_replicated_like(v) for v in val) if several else ()
+    return [
+        make(
+            "replicated",
+            inputs,
+            Layout.replicated(len(ctx.out_shape)),
+            outputs=outputs,
+            detail="no rule",
+        )
+    ]
+
+
+def _replicated_like(value) -> Layout:
+    return Layout.replicated(value.ndim if isinstance(value, torch.Tensor) else 0)
+
+
+def is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
