@@ -33,13 +33,23 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
+# train 4 steps on 2x2x2, checkpoint, resume on 1x2x4 for 4 more, beside a serial run
+DEMO     := runs/demo
+TRAIN    := examples/train.py --steps 8 --dim 32 --hidden 64 --layers 2 --seq 16 --batch 8
+TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node 8
+
 demo: install
 	$(VENV)/bin/autoshard show examples/mlp.py:mlp --mesh 2x2x2 --budget 32KiB
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 8 examples/train.py --steps 5
+	rm -rf $(DEMO)
+	$(PY) $(TRAIN) --log $(DEMO)/serial.json
+	$(TORCHRUN) $(TRAIN) --mesh 2x2x2 --steps 4 --total-steps 8 --save-every 4 \
+		--ckpt-dir $(DEMO)/ckpt --log $(DEMO)/first.json
+	$(TORCHRUN) $(TRAIN) --mesh 1x2x4 --resume $(DEMO)/ckpt/step-4 --log $(DEMO)/resumed.json
+	$(PY) examples/curves.py $(DEMO)/serial.json $(DEMO)/first.json $(DEMO)/resumed.json
 
 bench: install
 	$(PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist runs *.egg-info .pytest_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

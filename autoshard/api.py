@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autoshard import checkpoint
+from autoshard import checkpoint, initialize
 from autoshard.cost.hardware import Hardware
 from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.layout import Layout
@@ -333,6 +333,12 @@ class ParallelModule(torch.nn.Module):
                     for name in self._aliases.get(fqn, (fqn,)):
                         out[name] = full
         return out
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill the shards of a model built on meta with its serial initialization
+        under `seed` (`autoshard.initialize`): the full model equals the serial
+        model built after ``torch.manual_seed(seed)``. A collective."""
+        initialize.init_weights(self, seed)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter and buffer at its original shape and name (a collective).

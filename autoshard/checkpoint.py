@@ -236,7 +236,7 @@ def load_hf(module: torch.nn.Module, directory, prefix: str = "") -> None:
     with torch.no_grad():
         for fqn, (name, local) in targets.items():
             with safe_open(files[name], framework="pt") as f:
-                piece = f.get_slice(name)[_my_slices(module, fqn, shapes[fqn])]
+                piece = f.get_slice(name)[local_slices(module, fqn, shapes[fqn])]
             local.copy_(piece.reshape(local.shape))
     _recompute_buffers(module)
 
@@ -304,7 +304,7 @@ def _aliases(module, fqn: str) -> tuple[str, ...]:
     return module._aliases.get(fqn, (fqn,)) if _is_parallel(module) else (fqn,)
 
 
-def _my_slices(module, fqn: str, shape) -> tuple[slice, ...]:
+def local_slices(module, fqn: str, shape) -> tuple[slice, ...]:
     """The part of the global tensor `fqn` this rank holds."""
     if not _is_parallel(module):
         return tuple(slice(0, s) for s in shape)
@@ -360,7 +360,7 @@ def _recompute_buffers(module) -> None:
         pretrained._init_weights(owner)
         full = getattr(owner, name)
         with torch.no_grad():
-            state[fqn].copy_(full[_my_slices(module, fqn, tuple(full.shape))])
+            state[fqn].copy_(full[local_slices(module, fqn, tuple(full.shape))])
         owner.to_empty(device="meta", recurse=False)
 
 

@@ -31,13 +31,23 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj.residual_projection = True
         self.attn_drop = nn.Dropout(cfg.dropout)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
         self.explicit = cfg.explicit_attention
         if self.explicit:
-            mask = torch.ones(cfg.seq, cfg.seq).tril().view(1, 1, cfg.seq, cfg.seq)
-            self.register_buffer("mask", mask, persistent=False)
+            self.seq = cfg.seq
+            self.register_buffer("mask", self._causal_mask(), persistent=False)
+
+    def _causal_mask(self) -> torch.Tensor:
+        return torch.ones(self.seq, self.seq).tril().view(1, 1, self.seq, self.seq)
+
+    def reset_parameters(self) -> None:
+        """Recompute the mask (what a model built on meta lacks)."""
+        if self.explicit:
+            with torch.no_grad():
+                self.mask.copy_(self._causal_mask())
 
     def forward(self, x):
         B, T, C = x.shape
@@ -61,6 +71,7 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.gelu = nn.GELU(approximate="tanh")
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.proj.residual_projection = True
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -92,13 +103,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
         self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # scaled init of the residual projections
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     def _init_weights(self, module):
+        """nanoGPT's init, one module at a time (so `init_weights` can replay it); the
+        projections into the residual stream are scaled down with depth."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            residual = getattr(module, "residual_projection", False)
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

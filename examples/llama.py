@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -37,8 +40,17 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2).float() / self.head_dim
+        return 1.0 / self.theta**exponents
+
+    def reset_parameters(self) -> None:
+        """Recompute the frequencies (what a model built on meta lacks)."""
+        with torch.no_grad():
+            self.inv_freq.copy_(self._inv_freq())
 
     def forward(self, x, T: int):
         pos = torch.arange(T, device=x.device, dtype=torch.float32)

@@ -1,0 +1,97 @@
+"""`ParallelModule.init_weights` fills a model built on meta with exactly the values
+the serial model's own construction gives under the same seed, each rank holding
+only its shards; what it cannot replay it refuses by name."""
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import autoshard
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+from hf_models import CausalLM  # noqa: E402
+from llama import Llama, LlamaConfig  # noqa: E402
+from transformers import LlamaConfig as HFLlamaConfig  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+
+def _gpt():
+    return GPT(GPTConfig(explicit_attention=True))  # its causal mask is a buffer
+
+
+def _llama():
+    return Llama(LlamaConfig())
+
+
+def _hf_llama():
+    config = HFLlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return CausalLM(LlamaForCausalLM(config))
+
+
+class Bare(nn.Module):
+    """A parameter drawn in __init__ with no reset_parameters(): not replayable."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(8))
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x * self.scale).sum()
+
+
+def _inputs(name: str):
+    ids = torch.randint(0, 64, (4, 8), device="meta")
+    return (ids, ids) if name != "bare" else (torch.empty(4, 8, device="meta"),)
+
+
+BUILDERS = {"gpt": _gpt, "llama": _llama, "hf-llama": _hf_llama, "bare": Bare}
+
+
+def _initialized(mesh, name: str, seed: int):
+    """The full state after init_weights (rank 0 only), and this rank's shard sizes."""
+    with torch.device("meta"):
+        model = BUILDERS[name]()
+    parallel = autoshard.parallelize(model, mesh, _inputs(name), strategy="3d")
+    try:
+        parallel.init_weights(seed=seed)
+    except autoshard.CheckpointError as error:
+        return str(error)
+    full = parallel._gathered(parallel.program.state_dict(keep_vars=True), rank0_only=True)
+    return full, sum(t.numel() for t in parallel.parameters())
+
+
+def _all(mesh):
+    return {name: _initialized(mesh, name, seed=5) for name in BUILDERS}
+
+
+def test_init_weights_equals_the_serial_construction(rank_pool):
+    per_rank = rank_pool.run(_all, (2, 2, 2))
+    for name in ("gpt", "llama", "hf-llama"):
+        torch.manual_seed(5)
+        serial = BUILDERS[name]()
+        want = {**dict(serial.named_parameters()), **dict(serial.named_buffers())}
+        full, local = per_rank[0][name]
+        assert set(want) <= set(full), (name, set(want) - set(full))
+        for fqn, tensor in want.items():
+            assert torch.equal(full[fqn], tensor), (name, fqn)
+        total = sum(p.numel() for p in serial.parameters())
+        assert all(r[name][1] < total for r in per_rank), name  # every rank holds shards only
+    for rank, results in enumerate(per_rank):
+        assert "'scale' of a Bare" in results["bare"], (rank, results["bare"])
+        assert "give Bare a reset_parameters()" in results["bare"], rank
