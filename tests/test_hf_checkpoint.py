@@ -5,6 +5,7 @@ writes back what ``from_pretrained`` reads."""
 import pytest
 import torch
 from hf_models import llama
+from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
 import autoshard
@@ -63,3 +64,80 @@ def test_hf_weights_that_do_not_fit_are_refused(tmp_path):
     other.model.lm_head = torch.nn.Linear(32, 70, bias=False)  # another vocabulary
     with pytest.raises(autoshard.CheckpointError, match=r"has shape \[64, 32\] .* but \[70, 32\]"):
         autoshard.checkpoint.load_hf(other, tmp_path / "hf", prefix="model.")
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def _train(module, optimizer, inputs, steps: int) -> None:
+    for _ in range(steps):
+        loss = module(*inputs)
+        loss.backward()
+        if isinstance(module, autoshard.ParallelModule):
+            autoshard.clip_grad_norm_(module, 0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _meta_model(mesh, inputs, **planning):
+    with torch.device("meta"):
+        model, _ = llama()
+    meta_inputs = tuple(t.to("meta") for t in inputs)
+    return autoshard.parallelize(model, mesh, meta_inputs, **planning)
+
+
+def _lifecycle(mesh, inputs, path, hf_dir):
+    """Built on meta and initialized on 2×2×2 under "3d", 3 AdamW steps with clipping,
+    saved; loaded on 1×2×4 under a solved plan (the same 8 ranks), 3 more steps, and
+    written for Hugging Face. Returns (the model after 6 steps, on rank 0; its loss)."""
+    parallel = _meta_model(mesh, inputs, strategy="3d")
+    parallel.init_weights(seed=0)
+    optimizer = _adamw(parallel.parameters())
+    _train(parallel, optimizer, inputs, 3)
+    autoshard.checkpoint.save(parallel, path, optimizer)
+    other = init_device_mesh("cpu", (1, 2, 4), mesh_dim_names=("a", "b", "c"))
+    resumed = _meta_model(other, inputs)
+    optimizer = _adamw(resumed.parameters())
+    autoshard.checkpoint.load(resumed, path, optimizer)
+    _train(resumed, optimizer, inputs, 3)
+    autoshard.checkpoint.save_hf(resumed, hf_dir, prefix="model.")
+    with torch.no_grad():
+        loss = resumed(*inputs).item()
+    return resumed.full_state_dict(rank0_only=True), loss
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def test_train_save_resume_on_another_mesh_and_export(rank_pool, tmp_path):
+    serial, inputs = _serial()
+    path, hf_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    trained, loss = rank_pool.run(_lifecycle, (2, 2, 2), inputs, path, hf_dir)[0]
+
+    optimizer = _adamw(serial.parameters())
+    _train(serial, optimizer, inputs, 6)
+    for name, want in serial.state_dict().items():
+        assert _rel(trained[name], want) <= 1e-5, (name, _rel(trained[name], want))
+    with torch.no_grad():
+        want_loss = serial(*inputs).item()
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+
+    # the 3-step checkpoint in one plain process, with its plain optimizer
+    three, _ = _serial()
+    _train(three, _adamw(three.parameters()), inputs, 3)
+    plain, _ = _serial()
+    plain_optimizer = _adamw(plain.parameters())
+    autoshard.checkpoint.load(plain, path, plain_optimizer)
+    assert plain_optimizer.state[next(plain.parameters())]["step"].item() == 3
+    for name, want in three.state_dict().items():
+        assert _rel(plain.state_dict()[name], want) <= 1e-5, name
+
+    # what save_hf wrote loads with from_pretrained and gives the same loss
+    reloaded = LlamaForCausalLM.from_pretrained(hf_dir)
+    with torch.no_grad():
+        again = reloaded(input_ids=inputs[0], labels=inputs[1], use_cache=False).loss.item()
+    assert abs(again - loss) <= 1e-6 * abs(loss), (again, loss)

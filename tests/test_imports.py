@@ -16,7 +16,13 @@ STAGES = [
     ["autoshard.planning"],
     ["autoshard.runtime"],
     ["passes"],
-    ["autoshard.api", "autoshard.checkpoint", "autoshard.initialize", "autoshard.clip", "autoshard.factory"],
+    [
+        "autoshard.api",
+        "autoshard.checkpoint",
+        "autoshard.initialize",
+        "autoshard.clip",
+        "autoshard.factory",
+    ],
     ["autoshard.cli", "autoshard.testing", "autoshard"],
 ]
 
