@@ -41,10 +41,10 @@ TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node 8
 demo: install
 	$(VENV)/bin/autoshard show examples/mlp.py:mlp --mesh 2x2x2 --budget 32KiB
 	rm -rf $(DEMO)
-	$(PY) $(TRAIN) --log $(DEMO)/serial.json
+	$(PY) $(TRAIN) --curve $(DEMO)/serial.json
 	$(TORCHRUN) $(TRAIN) --mesh 2x2x2 --steps 4 --total-steps 8 --save-every 4 \
-		--ckpt-dir $(DEMO)/ckpt --log $(DEMO)/first.json
-	$(TORCHRUN) $(TRAIN) --mesh 1x2x4 --resume $(DEMO)/ckpt/step-4 --log $(DEMO)/resumed.json
+		--ckpt-dir $(DEMO)/ckpt --curve $(DEMO)/first.json
+	$(TORCHRUN) $(TRAIN) --mesh 1x2x4 --resume $(DEMO)/ckpt/step-4 --curve $(DEMO)/resumed.json
 	$(PY) examples/curves.py $(DEMO)/serial.json $(DEMO)/first.json $(DEMO)/resumed.json
 
 bench: install

@@ -75,8 +75,8 @@ def rank_main(rank: int, args, directory: str, port: int) -> None:
     baseline = resident_peak()
     with torch.device("meta"):
         model = LanguageModel(config(args))
-        meta_ids = torch.zeros_like(ids, device="meta")
-    parallel = autoshard.parallelize(model, mesh, (meta_ids, meta_ids), strategy="3d")
+        meta_inputs = (torch.zeros_like(ids, device="meta"), torch.zeros_like(ids, device="meta"))
+    parallel = autoshard.parallelize(model, mesh, meta_inputs, strategy="3d")
     autoshard.checkpoint.load_hf(parallel, directory, prefix="model.")
     loaded = resident_peak()
     optimizer = torch.optim.SGD(parallel.parameters(), lr=1e-3)

@@ -1,5 +1,5 @@
 """Print loss curves side by side: the serial run's and the parallel runs' (JSON from
-train.py --log), and the largest difference.
+train.py --curve), and the largest difference.
 
     python examples/curves.py runs/serial.json runs/part1.json runs/part2.json
 """

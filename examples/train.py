@@ -16,7 +16,7 @@ the shards, an optional pure-bf16 mode. A checkpoint every --save-every steps
 The data is this repository's own source text, tokenized by bytes; the batch of
 step s depends only on s and --seed, so a resumed run sees what an uninterrupted
 one would. Without torchrun it trains the plain model serially (the reference
-curve); --log writes the losses as JSON.
+curve); --curve writes the losses as JSON.
 """
 
 import argparse
@@ -109,9 +109,10 @@ def build(args, device):
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("a", "b", "c")[: len(shape)])
     with torch.device("meta"):
         model = LanguageModel(config).to(dtype)
-        ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        # two tensors: the same one twice would be traced as one input
+        ids, labels = (torch.zeros(args.batch, args.seq, dtype=torch.long) for _ in range(2))
     budget = parse_bytes(args.budget) if args.budget else None
-    parallel = autoshard.parallelize(model, mesh, (ids, ids), memory_budget=budget)
+    parallel = autoshard.parallelize(model, mesh, (ids, labels), memory_budget=budget)
     if args.hf:
         autoshard.checkpoint.load_hf(parallel, args.hf, prefix="model.")
     elif not args.resume:
@@ -144,7 +145,7 @@ def main() -> None:
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: never)")
     add("--ckpt-dir", default="runs/ckpt")
     add("--resume", default=None, help="a checkpoint directory, from any mesh or serial")
-    add("--log", default=None, help="write {step: loss} as JSON here")
+    add("--curve", default=None, help="write the losses by step as JSON here")
     args = parser.parse_args()
     args.total_steps = args.total_steps or args.steps
 
@@ -209,9 +210,9 @@ def main() -> None:
                 if lead:
                     (path / "train.json").write_text(json.dumps({"step": step + 1}))
                     progress.console.print(f"saved {path}")
-    if lead and args.log:
-        Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.log).write_text(json.dumps({"where": where, "losses": losses}))
+    if lead and args.curve:
+        Path(args.curve).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.curve).write_text(json.dumps({"where": where, "losses": losses}))
     if parallel_run:
         dist.destroy_process_group()
 
