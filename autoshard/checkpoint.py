@@ -55,7 +55,9 @@ def save(module: torch.nn.Module, path, optimizer: torch.optim.Optimizer | None 
 
 def load(module: torch.nn.Module, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill `module`'s parameters and buffers (and `optimizer`'s state) from the
-    checkpoint at `path`, resharded for this module's mesh and plan."""
+    checkpoint at `path`, resharded for this module's mesh and plan. Buffers the
+    model computes at construction and does not save (rotary tables) are recomputed
+    for a model built on meta."""
     if not Path(path).is_dir():
         raise CheckpointError(f"no checkpoint at {str(path)!r}: give the directory save wrote")
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -64,6 +66,7 @@ def load(module: torch.nn.Module, path, optimizer: torch.optim.Optimizer | None 
         state[OPTIMIZER] = _optimizer_state(module, optimizer, stored)
     _check(state, stored, path)
     dcp.load(state, checkpoint_id=str(path))
+    _recompute_buffers(module)  # not saved: a model built on meta must compute them
     if optimizer is not None:
         _restore_hyperparameters(optimizer, state[OPTIMIZER]["param_groups"])
 

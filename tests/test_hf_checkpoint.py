@@ -109,32 +109,40 @@ def _lifecycle(mesh, inputs, path, hf_dir):
     return resumed.full_state_dict(rank0_only=True), loss
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+def _serial_trained(steps: int, dtype=torch.float32):
+    serial, inputs = _serial()
+    serial = serial.to(dtype)
+    _train(serial, _adamw(serial.parameters()), inputs, steps)
+    return serial
+
+
+def _assert_close(got: dict, steps: int) -> None:
+    """Every tensor within 10x what fp32 rounding does to the serial run itself (both
+    judged against fp64): AdamW divides by the gradient's own size, so an element whose
+    gradient is zero in exact arithmetic moves by rounding noise in any fp32 program."""
+    serial = _serial_trained(steps).state_dict()
+    for name, want in _serial_trained(steps, torch.float64).state_dict().items():
+        err = (got[name].double() - want).abs().max().item()
+        own = (serial[name].double() - want).abs().max().item()
+        assert err <= 10 * own + 1e-6 * want.abs().max().item(), (name, err, own)
 
 
 def test_train_save_resume_on_another_mesh_and_export(rank_pool, tmp_path):
-    serial, inputs = _serial()
+    _, inputs = _serial()
     path, hf_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     trained, loss = rank_pool.run(_lifecycle, (2, 2, 2), inputs, path, hf_dir)[0]
-
-    optimizer = _adamw(serial.parameters())
-    _train(serial, optimizer, inputs, 6)
-    for name, want in serial.state_dict().items():
-        assert _rel(trained[name], want) <= 1e-5, (name, _rel(trained[name], want))
+    _assert_close(trained, 6)
+    six = _serial_trained(6)
     with torch.no_grad():
-        want_loss = serial(*inputs).item()
+        want_loss = six(*inputs).item()
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
 
     # the 3-step checkpoint in one plain process, with its plain optimizer
-    three, _ = _serial()
-    _train(three, _adamw(three.parameters()), inputs, 3)
     plain, _ = _serial()
     plain_optimizer = _adamw(plain.parameters())
     autoshard.checkpoint.load(plain, path, plain_optimizer)
     assert plain_optimizer.state[next(plain.parameters())]["step"].item() == 3
-    for name, want in three.state_dict().items():
-        assert _rel(plain.state_dict()[name], want) <= 1e-5, name
+    _assert_close(plain.state_dict(), 3)
 
     # what save_hf wrote loads with from_pretrained and gives the same loss
     reloaded = LlamaForCausalLM.from_pretrained(hf_dir)
