@@ -13,7 +13,7 @@ under --seed. AdamW with linear warmup and cosine decay, gradient clipping over
 the shards, an optional pure-bf16 mode. A checkpoint every --save-every steps
 (`autoshard.checkpoint.save`) resumes on any mesh and plan, or in one process.
 
-The data is this repository's own source text, tokenized by bytes; the batch of
+The data is a generated English-like text, tokenized by bytes; the batch of
 step s depends only on s and --seed, so a resumed run sees what an uninterrupted
 one would. Without torchrun it trains the plain model serially (the reference
 curve); --curve writes the losses as JSON.
@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import random
 import resource
 import time
 from pathlib import Path
@@ -37,8 +38,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import autoshard
 from autoshard.sizes import parse_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class LanguageModel(nn.Module):
     """The Hugging Face model as `parallelize` takes it: tensors in, the loss out."""
@@ -51,11 +50,24 @@ class LanguageModel(nn.Module):
         return self.model(input_ids=ids, labels=labels, use_cache=False).loss
 
 
-def corpus() -> torch.Tensor:
-    """The repository's Python and Markdown text as bytes (vocabulary 256)."""
-    files = sorted(ROOT.glob("autoshard/**/*.py")) + sorted(ROOT.glob("*.md"))
-    text = b"\n".join(path.read_bytes() for path in files)
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+def corpus(sentences: int = 4000) -> torch.Tensor:
+    """A generated English-like text (the same on every machine, nothing downloaded)
+    as bytes: vocabulary 256."""
+    rng = random.Random(0)
+    words = {
+        "noun": "model rank mesh tensor shard plan graph layer gradient step".split(),
+        "verb": "splits gathers trains saves loads reduces plans holds moves".split(),
+        "adj": "small large sharded replicated partial serial parallel exact".split(),
+    }
+
+    def pick(kind: str) -> str:
+        return rng.choice(words[kind])
+
+    text = " ".join(
+        f"the {pick('adj')} {pick('noun')} {pick('verb')} the {pick('adj')} {pick('noun')}."
+        for _ in range(sentences)
+    )
+    return torch.tensor(list(text.encode()), dtype=torch.long)
 
 
 def batch(data: torch.Tensor, step: int, args) -> tuple[torch.Tensor, torch.Tensor]:
