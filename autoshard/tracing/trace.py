@@ -59,7 +59,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         isinstance(t, torch.Tensor) for t in example_inputs
     ):
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
-    forward_signature, names, args, kwargs = _bound(model, example_inputs)
+    forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
         exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
@@ -159,6 +159,24 @@ def bind(
     if missing:
         raise InputError(f"input(s) {missing} are missing: this module was planned with {names}")
     return [bound.arguments[n] for n in names]
+
+
+def _unaliased(example_inputs: tuple) -> tuple:
+    """The example inputs with every one that shares memory with an earlier one copied.
+
+    torch.export traces aliased inputs as one value: given ``(ids, ids)`` for
+    ``(input_ids, labels)``, the graph would read ``input_ids`` for both, and a later
+    call with other labels would silently compute with the ids. Traced apart, each
+    input is its own placeholder, as the program must be for any call."""
+    seen: set = set()
+    distinct = []
+    for t in example_inputs:
+        key = id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
+        if key in seen:
+            t = t.detach().clone().requires_grad_(t.requires_grad)
+        seen.add(key)
+        distinct.append(t)
+    return tuple(distinct)
 
 
 def _bound(model: torch.nn.Module, example_inputs: tuple):
