@@ -117,6 +117,18 @@ class _BareBucket(torch.autograd.Function):
         return None, *(p.view_as(g) for p, g in zip(parts, grads))
 
 
+_WIRED: list[tuple] = []  # what each bare call runs: the generated code names it by index
+
+
+def bare_pair(x, wired: int):
+    forward, backward, group, dim = _WIRED[wired]
+    return _Bare.apply(x, forward, backward, group, dim)
+
+
+def bare_bucket(tensors, wired: int):
+    return _BareBucket.apply(_WIRED[wired], *tensors)
+
+
 def hand_written(parallel) -> fx.GraphModule:
     """`parallel`'s program with each emitted collective a bare c10d pair."""
     gm = fx.GraphModule(parallel.program, copy.deepcopy(parallel.program.graph))
@@ -127,13 +139,11 @@ def hand_written(parallel) -> fx.GraphModule:
             forward = BARE[FORWARD[node.target]]
             backward = BARE[kwargs["backward"]]
             group = axes[kwargs["axis"]]
-            node.target = _Bare.apply
-            node.args = (node.args[0], forward, backward, group, kwargs.get("dim"))
-            node.kwargs = {}
+            _WIRED.append((forward, backward, group, kwargs.get("dim")))
+            node.target, node.args, node.kwargs = bare_pair, (node.args[0], len(_WIRED) - 1), {}
         elif node.target is comm.grad_bucket:
-            node.target = _BareBucket.apply
-            node.args = (axes[node.kwargs["axis"]].group, *node.args[0])
-            node.kwargs = {}
+            _WIRED.append(axes[node.kwargs["axis"]].group)
+            node.target, node.args, node.kwargs = bare_bucket, (node.args[0], len(_WIRED) - 1), {}
     gm.recompile()
     return gm
 
