@@ -19,6 +19,8 @@ from autoshard.cost.hardware import Hardware
 from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
+from autoshard.planning.collectives import share_collectives
+from autoshard.planning.estimate import estimate
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
 from autoshard.planning.planner import inputs_planned_with_grad
@@ -128,7 +130,8 @@ def parallelize(
 
 
 def _solved(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
-    plan = plan_model(traced, mesh, options)
+    plan = share_collectives(traced, plan_model(traced, mesh, options))
+    plan.cost = estimate(traced, plan, options.hardware, options.optimizer)
     plan.graph = fingerprint(traced)
     return plan
 

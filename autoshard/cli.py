@@ -331,22 +331,14 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
 
 
 def predicted(plan: Plan) -> dict[tuple[str, str, str], tuple[int, int, float]]:
-    """(kind, axis, phase) → (calls, buffer bytes, bytes each rank sends on a ring).
-
-    Bytes are `plan.predicted_comm()`'s, summed over nodes; calls and ring bytes
-    come from the same steps (every node's, then the exit gathers)."""
+    """(kind, axis, phase) → (calls, buffer bytes, bytes each rank sends on a ring),
+    from `plan.predicted_calls()` (shared conversions once, a bucket one call)."""
     out: dict[tuple[str, str, str], list] = defaultdict(lambda: [0, 0, 0.0])
-    for (_, kind, axis, phase), nbytes in plan.predicted_comm().items():
-        out[kind, axis, phase][1] += nbytes
-    steps = [pair for node in plan.nodes.values() for pair in node.steps_with_grad()]
-    steps += [(step, True) for output in plan.output_steps for step in output]
-    for step, grad in steps:
-        runs = [(step.forward_collective, "forward"), (step.backward_collective, "backward")]
-        for collective, phase in runs[: 1 + grad]:
-            if collective != "none":
-                entry = out[collective, step.axis, phase]
-                entry[0] += 1
-                entry[2] += step.ring_bytes(collective)
+    for call in plan.predicted_calls():
+        entry = out[call.kind, call.axis, call.phase]
+        entry[0] += 1
+        entry[1] += call.nbytes
+        entry[2] += call.ring_bytes
     order = sorted(out, key=lambda key: (key[2] != "forward", key))
     return {key: tuple(out[key]) for key in order}
 

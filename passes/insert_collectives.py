@@ -16,6 +16,8 @@ the partial sums are reduced). Model outputs are gathered to replicated.
 
 from __future__ import annotations
 
+import operator
+
 from torch import fx
 from torch.ops import aten
 from torch.utils import _pytree as pytree
@@ -23,7 +25,7 @@ from torch.utils import _pytree as pytree
 from autoshard.layout import Step
 from autoshard.planning.plan import Plan
 from autoshard.runtime import ops
-from autoshard.runtime.comm import STEP_FUNCTIONS
+from autoshard.runtime.comm import STEP_FUNCTIONS, grad_bucket
 from autoshard.strategies.conv import CONVOLUTIONS
 from autoshard.tracing.trace import tensor_inputs
 
@@ -81,9 +83,14 @@ def _replace_tensor_args(node: fx.Node, replacements: list[fx.Node]) -> None:
 class InsertCollectives:
     def __init__(self, plan: Plan):
         self.plan = plan
+        # (node, input index) → the value it computes on: a shared conversion, or a
+        # parameter after its gradient buckets
+        self.converted: dict[tuple[str, int], fx.Node] = {}
+        self.shared = {(s.node, s.input): (s.source, s.source_input) for s in plan.shared}
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         graph = gm.graph
+        self._insert_buckets(graph)
         for node in list(graph.nodes):
             if node.op == "placeholder":
                 with graph.inserting_before(node.next):
@@ -108,7 +115,7 @@ class InsertCollectives:
         regather = placed.strategy.regather
         with graph.inserting_before(node):
             converted = [
-                v if i in regather else _apply_steps(graph, v, steps, node.name)
+                self._converted(graph, node.name, i, v, steps, i in regather)
                 for i, (v, steps) in enumerate(zip(inputs, placed.input_steps))
             ]
         _replace_tensor_args(node, converted)
@@ -127,6 +134,40 @@ class InsertCollectives:
             for bias in epilogue:
                 out = _add_bias(graph, out, bias, node)
         self._replace_uses(node, out)
+
+    def _converted(self, graph, name: str, i: int, value, steps, regather: bool) -> fx.Node:
+        if regather:
+            return value
+        key = self.shared.get((name, i), (name, i))
+        if key not in self.converted:
+            self.converted[key] = _apply_steps(graph, value, steps, name)
+        return self.converted[key]
+
+    def _insert_buckets(self, graph: fx.Graph) -> None:
+        """One `grad_bucket` call per bucket, before the first op: the parameters it
+        serves pass through it (and through the next bucket of another axis)."""
+        if not self.plan.buckets:
+            return
+        nodes = {n.name: n for n in graph.nodes}
+        first_op = next(n for n in graph.nodes if n.op == "call_function")
+        current = {}
+        for bucket in self.plan.buckets:
+            values = []
+            for name, i in bucket.serves:
+                current.setdefault((name, i), tensor_inputs(nodes[name])[i])
+                values.append(current[name, i])
+            serves = tuple(name for name, _ in bucket.serves)
+            with graph.inserting_before(first_op):
+                kwargs = {"axis": bucket.axis, "node": bucket.name, "serves": serves}
+                call = graph.create_node(
+                    "call_function", grad_bucket, (tuple(values),), kwargs, name=bucket.name
+                )
+                call.meta["autoshard_serves"] = bucket.name
+                for k, (served, value) in enumerate(zip(bucket.serves, values)):
+                    current[served] = graph.call_function(operator.getitem, (call, k))
+                    current[served].meta["val"] = value.meta.get("val")
+                    current[served].meta["autoshard_serves"] = bucket.name
+        self.converted.update(current)
 
     @staticmethod
     def _replace_uses(node: fx.Node, new: fx.Node) -> None:

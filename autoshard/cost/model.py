@@ -365,6 +365,21 @@ def _aliases(value: fx.Node) -> bool:
     return entry is not None and entry.aliases
 
 
+def _bucketed_comm(node_plan: NodePlan, plan: Plan, hardware: Hardware) -> dict[str, float]:
+    """Seconds per axis of the node's share of gradient buckets: the bandwidth of each
+    gradient a bucket reduces for it, and the latency of each bucket it is the first
+    to be served by (a bucket is one call: its α is paid once)."""
+    out: dict[str, float] = defaultdict(float)
+    for step in plan.bucketed_steps(node_plan):
+        link = hardware.link(plan.mesh.index(step.axis))
+        out[step.axis] += ALL_REDUCE(step.nbytes, step.group_size, 0.0, link.beta)
+    for bucket in plan.buckets:
+        if bucket.serves[0][0] == node_plan.name:
+            link = hardware.link(plan.mesh.index(bucket.axis))
+            out[bucket.axis] += ALL_REDUCE(0, bucket.group_size, link.alpha, link.beta)
+    return dict(out)
+
+
 def _storage_of(value: fx.Node, plan: Plan) -> str:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
@@ -462,6 +477,10 @@ def node_cost(
         held=held,
         lowering=strategy.lowering,
     )
+    conversions = {}
+    for s in plan.shared:
+        source = f"{s.source}:{s.source_input}"
+        conversions[s.node, s.input] = conversions[s.source, s.source_input] = source
     # An input kept as it is stored (a shard kept for a re-gather too), or the output
     # kept as it is stored, is the very tensor every other node that keeps it (or a
     # view of it) keeps: named by its storage, so it counts once.
@@ -469,10 +488,15 @@ def node_cost(
     for part in list(parts):
         if part == "output" and not node_plan.output_steps:
             shared[_storage_of(node, plan)] = parts.pop(part)
+        elif isinstance(part, int) and (node.name, part) in conversions:
+            # a conversion several nodes read (`Plan.shared`) is one tensor
+            shared["converted " + conversions[node.name, part]] = parts.pop(part)
         elif isinstance(part, int) and inputs[part].op != "get_attr":
             if not node_plan.input_steps[part] or part in strategy.regather:
                 shared[_storage_of(inputs[part], plan)] = parts.pop(part)
-    comm_forward, comm_backward = _comm(node_plan.steps_with_grad(), hardware, mesh)
+    comm_forward, comm_backward = _comm(plan.node_steps(node_plan), hardware, mesh)
+    for axis, seconds in _bucketed_comm(node_plan, plan, hardware).items():
+        comm_backward[axis] = comm_backward.get(axis, 0.0) + seconds
     for step in node_plan.regathered_steps():  # backward gathers the kept shard again
         seconds = step_time(step, hardware, mesh)[0]
         comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds

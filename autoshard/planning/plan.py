@@ -50,6 +50,50 @@ class NodePlan:
         ]
 
 
+@dataclass(frozen=True)
+class SharedInput:
+    """Input `input` of `node` is converted exactly as input `source_input` of the earlier
+    `source` (the same value, the same steps, the same checkpoint region): it reads that
+    conversion instead of running its own, and backward reduces their gradients once."""
+
+    node: str
+    input: int
+    source: str
+    source_input: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameter gradients all-reduced over `axis` in one call: each (node, input) it serves
+    is a parameter whose steps include a ``grad_all_reduce`` over `axis`; backward packs
+    their gradients into one flat buffer of `nbytes` when the last of them is ready."""
+
+    name: str
+    axis: str
+    group_size: int
+    dtype: str
+    nbytes: int
+    serves: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective a step runs (`Plan.predicted_calls`)."""
+
+    node: str  # the node it serves, or a bucket's name
+    kind: str
+    axis: str
+    phase: str  # forward | backward | recompute
+    nbytes: int
+    group_size: int
+
+    @property
+    def ring_bytes(self) -> float:
+        """Bytes a rank sends on a ring: (n−1)/n of the buffer, twice for all-reduce."""
+        n = self.group_size
+        return (2 if self.kind == "all_reduce" else 1) * (n - 1) / n * self.nbytes
+
+
 @dataclass
 class Plan:
     mesh: Mesh
@@ -66,6 +110,55 @@ class Plan:
     # node → why it left its family for the next (planner fallback); the solver's plan
     # copies the notes of the nodes it keeps into `warnings`, so this is not saved
     fallbacks: dict[str, str] = field(default_factory=dict, compare=False)
+    shared: tuple[SharedInput, ...] = ()  # conversions read by several nodes, run once
+    buckets: tuple[Bucket, ...] = ()  # parameter-gradient reductions packed together
+
+    def node_steps(self, node: NodePlan) -> list[tuple[Step, bool]]:
+        """`node`'s steps that run as its own calls (with whether their backward runs):
+        not the conversions it shares with an earlier node, and, for its parameters'
+        gradients reduced in a bucket, the step without its backward."""
+        skipped = {(s.node, s.input) for s in self.shared}
+        bucketed = {(n, i, b.axis) for b in self.buckets for n, i in b.serves}
+        out = []
+        for i, (steps, grad) in enumerate(zip(node.input_steps, node.input_needs_grad)):
+            if (node.name, i) not in skipped:
+                out += [(s, grad and (node.name, i, s.axis) not in bucketed) for s in steps]
+        own = list(node.strategy.internal) + list(node.output_steps)
+        return out + [(step, node.needs_grad) for step in own]
+
+    def bucketed_steps(self, node: NodePlan) -> list[Step]:
+        """`node`'s steps whose backward a bucket runs."""
+        bucketed = {(n, i, b.axis) for b in self.buckets for n, i in b.serves}
+        return [
+            s
+            for i, steps in enumerate(node.input_steps)
+            for s in steps
+            if (node.name, i, s.axis) in bucketed
+        ]
+
+    def predicted_calls(self) -> list[Call]:
+        """Every collective one training step runs, in no particular order."""
+        out = []
+
+        def call(name: str, kind: str, step: Step, phase: str) -> None:
+            out.append(Call(name, kind, step.axis, phase, step.nbytes, step.group_size))
+
+        served = [(node.name, self.node_steps(node)) for node in self.nodes.values()]
+        served.append(("output", [(step, True) for steps in self.output_steps for step in steps]))
+        for name, steps in served:
+            for step, grad in steps:
+                if step.forward_collective != "none":
+                    call(name, step.forward_collective, step, "forward")
+                    if name in self.regions:
+                        call(name, step.forward_collective, step, "recompute")
+                if step.backward_collective != "none" and grad:
+                    call(name, step.backward_collective, step, "backward")
+        for node in self.nodes.values():
+            for step in node.regathered_steps():
+                call(node.name, step.forward_collective, step, "backward")
+        for b in self.buckets:
+            out.append(Call(b.name, "all_reduce", b.axis, "backward", b.nbytes, b.group_size))
+        return out
 
     def stored_layout(self, node) -> Layout | None:
         """How the value of fx node `node` is stored: a placed node's output, or an
@@ -104,26 +197,15 @@ class Plan:
     def predicted_comm(self) -> dict[tuple[str, str, str, str], int]:
         """Bytes per (node, kind, axis, phase) that running one step will log."""
         out: dict[tuple[str, str, str, str], int] = defaultdict(int)
-        served = [(node.name, node.steps_with_grad()) for node in self.nodes.values()]
-        served.append(("output", [(step, True) for steps in self.output_steps for step in steps]))
-        for name, steps in served:
-            for step, grad in steps:
-                if step.forward_collective != "none":
-                    out[name, step.forward_collective, step.axis, "forward"] += step.nbytes
-                    if name in self.regions:
-                        out[name, step.forward_collective, step.axis, "recompute"] += step.nbytes
-                if step.backward_collective != "none" and grad:
-                    out[name, step.backward_collective, step.axis, "backward"] += step.nbytes
-        for node in self.nodes.values():
-            for step in node.regathered_steps():
-                out[node.name, step.forward_collective, step.axis, "backward"] += step.nbytes
+        for call in self.predicted_calls():
+            out[call.node, call.kind, call.axis, call.phase] += call.nbytes
         return dict(out)
 
 
 # JSON (no pickle): plans are saved, read by people, and applied without solving again.
 # Reading checks every field and names the one at fault (``plan.nodes[3].strategy.stored``).
 
-SCHEMA_VERSION = 2  # 2: the graph fingerprint; plans before it cannot be checked
+SCHEMA_VERSION = 3  # 2: the graph fingerprint; 3: shared conversions and gradient buckets
 
 
 def _layout_dict(layout: Layout | None):
@@ -179,6 +261,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "choices": plan.choices,
         "reasons": plan.reasons,
         "cost": plan.cost.to_dict() if plan.cost else None,
+        "shared": [asdict(x) for x in plan.shared],
+        "buckets": [asdict(b) for b in plan.buckets],
     }
 
 
@@ -237,6 +321,8 @@ def plan_from_dict(d) -> Plan:
         cost = Cost.from_dict(cost) if cost is not None else None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlanError(f"plan.cost is malformed ({type(e).__name__}: {e})") from None
+    shared = r.field(d, "shared", "plan", list)
+    buckets = r.field(d, "buckets", "plan", list)
     return Plan(
         mesh=r.mesh,
         nodes=nodes,
@@ -249,6 +335,8 @@ def plan_from_dict(d) -> Plan:
         cost=cost,
         graph=graph,
         reasons=r.strings(r.field(d, "reasons", "plan", dict), "plan.reasons"),
+        shared=tuple(r.shared(x, f"plan.shared[{i}]", nodes) for i, x in enumerate(shared)),
+        buckets=tuple(r.bucket(x, f"plan.buckets[{i}]", nodes) for i, x in enumerate(buckets)),
     )
 
 
@@ -362,6 +450,45 @@ class _Reader:
         if extra:
             raise PlanError(f"{path} has unknown fields {extra}")
         return Step(kind, axis, dim, backward, nbytes, group)
+
+    def served_input(self, node, index, path: str, nodes: dict) -> tuple[str, int]:
+        self.check(node, path, str)
+        self.check(index, path, int)
+        if node not in nodes or not 0 <= index < len(nodes[node].input_steps):
+            raise PlanError(f"{path} names input {index} of node {node!r}, which the plan lacks")
+        return node, index
+
+    def shared(self, data, path: str, nodes: dict) -> SharedInput:
+        node, index = self.served_input(
+            self.field(data, "node", path, str), self.field(data, "input", path, int), path, nodes
+        )
+        source, source_input = self.served_input(
+            self.field(data, "source", path, str),
+            self.field(data, "source_input", path, int),
+            path,
+            nodes,
+        )
+        if nodes[node].input_steps[index] != nodes[source].input_steps[source_input]:
+            raise PlanError(f"{path}: {node!r} and {source!r} convert their inputs differently")
+        return SharedInput(node, index, source, source_input)
+
+    def bucket(self, data, path: str, nodes: dict) -> Bucket:
+        axis = self.axis(self.field(data, "axis", path, str), f"{path}.axis")
+        group = self.field(data, "group_size", path, int)
+        if group != self.mesh.size(axis):
+            raise PlanError(f"{path}.group_size {group} is not the size of axis {axis!r}")
+        serves = tuple(
+            self.served_input(*self.check(x, f"{path}.serves[{i}]", list)[:2], path, nodes)
+            for i, x in enumerate(self.field(data, "serves", path, list))
+        )
+        return Bucket(
+            self.field(data, "name", path, str),
+            axis,
+            group,
+            self.field(data, "dtype", path, str),
+            self.field(data, "nbytes", path, int),
+            serves,
+        )
 
     def steps(self, data, path: str) -> list[Step]:
         return [self.step(x, f"{path}[{i}]") for i, x in enumerate(self.check(data, path, list))]

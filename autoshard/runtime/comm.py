@@ -84,8 +84,9 @@ class CommRecord:
     axis: str
     group_size: int
     bytes: int  # the full buffer: gathered output, or unreduced input
-    node: str
+    node: str  # the node it serves, or a gradient bucket's name
     phase: str  # forward | backward | recompute
+    serves: tuple[tuple[str, int], ...] = ()  # a bucket's nodes, with their bytes in it
 
 
 @dataclass
@@ -103,13 +104,15 @@ class CommLog:
         """Bytes this rank sends on a ring: (n−1)/n of the buffer, twice for all-reduce."""
         total = 0.0
         for r in self.records:
-            if (node is None or r.node == node) and (phase is None or r.phase == phase):
-                total += (
-                    (2 if r.kind == "all_reduce" else 1)
-                    * (r.group_size - 1)
-                    / r.group_size
-                    * r.bytes
-                )
+            if phase is not None and r.phase != phase:
+                continue
+            if node is None or r.node == node:
+                nbytes = r.bytes
+            else:  # its share of a gradient bucket
+                nbytes = sum(b for served, b in r.serves if served == node)
+            total += (
+                (2 if r.kind == "all_reduce" else 1) * (r.group_size - 1) / r.group_size * nbytes
+            )
         return total
 
 
@@ -144,9 +147,12 @@ def replaying(mesh: BoundMesh, phase: str):
         _PHASE.reset(token)
 
 
-def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str) -> None:
-    for log in _LOGS.get():
-        log.records.append(CommRecord(kind, axis.name, axis.size, nbytes, node, phase))
+def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str, serves=()) -> None:
+    logs = _LOGS.get()
+    if logs:
+        record = CommRecord(kind, axis.name, axis.size, nbytes, node, phase, serves)
+        for log in logs:
+            log.records.append(record)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -170,7 +176,7 @@ def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
 
 
 def _all_reduce(x, axis: AxisGroup, dim, node, phase):
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)  # one copy, reduced in place
     dist.all_reduce(out, group=axis.group)
     _record("all_reduce", axis, _nbytes(out), node, phase)
     return out
@@ -250,6 +256,37 @@ def grad_all_reduce(x, *, axis: str, backward: str = "all_reduce", node: str):
 def to_partial(x, *, axis: str, backward: str = "identity", node: str):
     """A replicated value as a pending sum: kept on coordinate 0, zero elsewhere."""
     return _pair(x, "mask", backward, axis, None, node)
+
+
+class _GradBucket(torch.autograd.Function):
+    """Identity on several tensors whose backward all-reduces their gradients together:
+    autograd calls it once every output's gradient is ready, and one flat buffer goes
+    over the axis."""
+
+    @staticmethod
+    def forward(ctx, axis, node, serves, *tensors):
+        ctx.axis, ctx.node, ctx.serves = axis, node, serves
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.axis.group)
+        if _LOGS.get():
+            served: dict[str, int] = defaultdict(int)
+            for name, g in zip(ctx.serves, grads):
+                served[name] += _nbytes(g)
+            _record(
+                "all_reduce", ctx.axis, _nbytes(flat), ctx.node, "backward", tuple(served.items())
+            )
+        parts = flat.split([g.numel() for g in grads])
+        return None, None, None, *(p.view_as(g) for p, g in zip(parts, grads))
+
+
+def grad_bucket(tensors, *, axis: str, node: str, serves: tuple[str, ...]):
+    """`tensors` unchanged; backward all-reduces their gradients over `axis` in one call
+    (a bucket named `node`; ``serves[k]`` is the node that reads ``tensors[k]``)."""
+    return _GradBucket.apply(current_mesh().axes[axis], node, serves, *tensors)
 
 
 @torch.no_grad()

@@ -17,23 +17,19 @@ from autoshard.runtime import comm
 
 
 def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, ...], node: str):
-    """Layer norm over features split across `axes`: the sums behind mean and variance
-    are all-reduced over those axes (their gradients too, since every rank
-    normalizes its own features with them)."""
+    """Layer norm over features split across `axes`: the sums of x and x² behind mean
+    and variance are all-reduced together, one call per axis (their gradients too,
+    since every rank normalizes its own features with them)."""
     dims = tuple(range(-normalized_ndim, 0))
     count = math.prod(x.shape[d] for d in dims) * math.prod(
         comm.current_mesh().axes[a].size for a in axes
     )
-
-    def total(t):
-        for axis in axes:
-            t = comm.all_reduce(t, axis=axis, backward="all_reduce", node=node)
-        return t
-
-    mean = total(x.sum(dims, keepdim=True)) / count
-    centered = x - mean
-    var = total((centered * centered).sum(dims, keepdim=True)) / count
-    out = centered * torch.rsqrt(var + eps)
+    sums = torch.stack([x.sum(dims, keepdim=True), (x * x).sum(dims, keepdim=True)])
+    for axis in axes:
+        sums = comm.all_reduce(sums, axis=axis, backward="all_reduce", node=node)
+    mean, mean_square = sums / count
+    var = mean_square - mean * mean
+    out = (x - mean) * torch.rsqrt(var + eps)
     if weight is not None:
         out = out * weight
     if bias is not None:
@@ -152,15 +148,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = comm.all_reduce_max(row_max, axis=axis, node=node)
         shifted = logits - row_max.unsqueeze(-1)
         probs = shifted.exp()
-        sum_exp = total(probs.sum(-1), vocab_axes)
         start, length = _chunk_start(vocab_size, vocab_axes)
         local = target - start
         held = (local >= 0) & (local < length)
         index = (local * held).unsqueeze(-1)
-        target_logit = total(shifted.gather(-1, index).squeeze(-1) * held, vocab_axes)
+        target_logit = shifted.gather(-1, index).squeeze(-1) * held
+        sum_exp, target_logit = total(torch.stack([probs.sum(-1), target_logit]), vocab_axes)
         valid = target != ignore
-        loss = total(((torch.log(sum_exp) - target_logit) * valid).sum(), token_axes)
-        count = total(valid.sum().to(logits.dtype), token_axes) if reduction == 1 else None
+        loss = ((torch.log(sum_exp) - target_logit) * valid).sum()
+        if reduction == 1:  # the mean's divisor travels with the sum
+            loss, count = total(torch.stack([loss, valid.sum().to(logits.dtype)]), token_axes)
+        else:
+            loss, count = total(loss, token_axes), None
         probs /= sum_exp.unsqueeze(-1)  # the softmax of this rank's slice of the vocabulary
         ctx.save_for_backward(probs, index, held, valid, count)
         return loss if count is None else loss / count

@@ -88,8 +88,12 @@ def cross_entropy(ctx: Context) -> list[Strategy]:
             Step("all_reduce", a, None, "identity", nbytes, ctx.mesh.size(a)) for a in axes
         )
 
-    # max (no gradient), sum of exponentials, target logit; then loss and token count
-    internal = reduce(vocab, local_tokens * itemsize) * 3 + reduce(tokens, itemsize) * 2
+    # max (no gradient); the sum of exponentials with the target logit, in one buffer;
+    # then the loss with the token count (a mean's divisor)
+    row = local_tokens * itemsize
+    internal = (
+        reduce(vocab, row) + reduce(vocab, 2 * row) + reduce(tokens, itemsize * (3 - reduction))
+    )
     return [
         make(
             "vocab-parallel",

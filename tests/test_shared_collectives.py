@@ -1,0 +1,62 @@
+"""Collectives run once for several nodes: a conversion read by several nodes, the
+parameter-gradient reductions of an axis packed into a bucket, a layer norm's two
+statistics and the vocabulary-parallel loss's sums in one buffer each. The program
+still equals serial, and every call and byte is as the plan predicts."""
+
+from collections import Counter
+from pathlib import Path
+
+import autoshard
+from autoshard.runtime.ranks import shared_pool
+from autoshard.testing import assert_equivalent, load_factory
+
+GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
+MESH = (2, 2, 2)
+
+
+def test_plan_shares_conversions_and_buckets_parameter_gradients():
+    model, inputs = load_factory(GPT)()
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d")
+    assert plan.shared  # q, k and v read one gathered layer-norm output
+    for s in plan.shared:
+        assert (
+            plan.nodes[s.node].input_steps[s.input]
+            == plan.nodes[s.source].input_steps[s.source_input]
+        )
+    served = [(name, i) for b in plan.buckets for name, i in b.serves]
+    assert {b.axis for b in plan.buckets} == {"a", "b", "c"}
+    # every parameter gradient a grad_all_reduce reduces is in a bucket of its axis
+    for name, placed in plan.nodes.items():
+        for i, steps in enumerate(placed.input_steps):
+            if steps and all(s.kind == "grad_all_reduce" for s in steps):
+                assert (name, i) in served or not placed.input_needs_grad[i]
+    calls = Counter((c.kind, c.phase) for c in plan.predicted_calls())
+    assert sum(calls.values()) < len(plan.buckets) + 100
+
+
+def _calls(mesh):
+    model, inputs = load_factory(GPT)()
+    parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
+    with autoshard.comm_log() as log:
+        parallel(*inputs).backward()
+    logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
+    predicted = Counter(
+        (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in parallel.plan.predicted_calls()
+    )
+    buckets = {r.node: r for r in log.records if r.serves}
+    planned = {b.name: b.serves for b in parallel.plan.buckets}
+    return logged, predicted, buckets, planned
+
+
+def test_every_call_is_predicted_and_a_bucket_logs_once_naming_its_nodes():
+    for logged, predicted, buckets, planned in shared_pool(8).run(_calls, MESH):
+        assert logged == predicted  # each call, its node, kind, axis, phase and bytes
+        assert set(buckets) == set(planned)
+        for name, record in buckets.items():
+            nodes = [n for n, _ in record.serves]
+            assert nodes == list(dict.fromkeys(n for n, _ in planned[name]))
+            assert sum(b for _, b in record.serves) == record.bytes
+
+
+def test_shared_and_bucketed_program_equals_serial():
+    assert_equivalent(GPT, MESH, strategy="3d")
