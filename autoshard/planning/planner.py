@@ -259,7 +259,100 @@ def plan_graph(
                 )
                 for v in tensor_inputs(node)
             )
+    _localize(graph, nodes, stored, planning, mesh)
     return Plan(mesh, nodes, storage, entry_steps, output_steps, notes, fallbacks=fallbacks)
+
+
+def _localize(graph: fx.Graph, nodes: dict[str, NodePlan], stored, planning: Mesh, mesh) -> None:
+    """Compute locally what every reader only slices: a replicated value without a
+    gradient (a causal mask from `arange`s, comparisons and `expand`) whose readers
+    all split it, free, to one layout is made in that layout instead, by its own
+    rule on its inputs sliced alike; its inputs are then tried in turn. So no rank
+    builds or keeps a global mask that every rank uses a slice of.
+
+    Walks the graph backward, so a chain is localized from its readers up."""
+    for node in reversed(graph.nodes):
+        placed = nodes.get(node.name)
+        if placed is None or placed.needs_grad or not is_tensor(node):
+            continue
+        if placed.strategy.stored.sharded_axes or placed.strategy.stored.partial:
+            continue
+        wanted = _sliced_by_all(node, nodes)
+        if wanted is None:
+            continue
+        operands = tensor_inputs(node)
+        out_shape = _shape(node)
+        layouts = [
+            _aligned(wanted, _shape(inp), out_shape).normalized(planning) for inp in operands
+        ]
+        ctx = Context(node, planning, operands, layouts, placed.strategy.family)
+        try:
+            candidates, message = _candidates(ctx, mesh)
+        except (ShapeError, StrategyError):
+            continue
+        fits = [
+            c
+            for c in candidates
+            if not message
+            and c.stored == wanted
+            and c.output == wanted
+            and c.inputs == tuple(layouts)
+        ]
+        if not fits:
+            continue
+        strategy = fits[0]
+        steps = tuple(
+            tuple(redistribute(stored[inp], lay, _shape(inp), _itemsize(inp), mesh))
+            for inp, lay in zip(operands, layouts)
+        )
+        if any(s.kind != "split" for chain in steps for s in chain):
+            continue  # an input is sharded otherwise: slicing it here would move data
+        nodes[node.name] = dataclasses.replace(
+            placed,
+            strategy=strategy,
+            local_shape=strategy.stored.local_shape(out_shape, mesh),
+            input_steps=steps,
+            output_steps=(),
+        )
+        stored[node] = strategy.stored
+        for user in (u for u in node.users if u.name in nodes):
+            reader = nodes[user.name]
+            reader.input_steps = tuple(
+                () if inp is node else reader.input_steps[j]
+                for j, inp in enumerate(tensor_inputs(user))
+            )
+
+
+def _sliced_by_all(node: fx.Node, nodes: dict[str, NodePlan]) -> Layout | None:
+    """The layout every reader of `node` splits it to, with nothing but free local
+    splits; None if any reader does something else, or they want different layouts."""
+    wanted = set()
+    for user in node.users:
+        reader = nodes.get(user.name)
+        if reader is None:
+            if user.op == "call_function" and user.meta.get("val") is None:
+                continue  # a check of the tensor's metadata, which reads no data
+            return None
+        for j, inp in enumerate(tensor_inputs(user)):
+            if inp is not node:
+                continue
+            steps = reader.input_steps[j]
+            if not steps or any(s.kind != "split" for s in steps):
+                return None
+            wanted.add(reader.strategy.inputs[j])
+    return wanted.pop() if len(wanted) == 1 else None
+
+
+def _aligned(out: Layout, shape, out_shape) -> Layout:
+    """`out` as seen by an operand of `shape` broadcast to `out_shape`: split where the
+    operand has the output's size, whole where it broadcasts."""
+    offset = len(out_shape) - len(shape)
+    return Layout(
+        tuple(
+            out.dims[d + offset] if shape[d] == out_shape[d + offset] else ()
+            for d in range(len(shape))
+        )
+    )
 
 
 def _context_key(node, family, layouts, operands, stored, needs_grad, knobs, fixed_as):

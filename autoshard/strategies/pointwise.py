@@ -51,6 +51,25 @@ POINTWISE = (
     aten.clamp.default,
     aten.square.default,
     aten.reciprocal.default,
+    # comparisons and logical ops: masks, built elementwise from ids and positions
+    aten.eq.Tensor,
+    aten.eq.Scalar,
+    aten.ne.Tensor,
+    aten.ne.Scalar,
+    aten.le.Tensor,
+    aten.le.Scalar,
+    aten.lt.Tensor,
+    aten.lt.Scalar,
+    aten.ge.Tensor,
+    aten.ge.Scalar,
+    aten.gt.Tensor,
+    aten.gt.Scalar,
+    aten.__and__.Tensor,
+    aten.__or__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.logical_not.default,
+    aten.bitwise_not.default,
 )
 
 
