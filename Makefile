@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 PYTHON := $(shell command -v python3.11 2>/dev/null || command -v python3)
 
-.PHONY: install test zoo lint demo bench clean
+.PHONY: install test zoo lint demo bench scale clean
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/run.py
+
+# Plans for LLaMA-3 8B/70B/405B and GPT-3 175B on 64-4096 devices (long; SCALE="--quick"
+# for LLaMA-3 70B on 8x8x8 only).
+scale: install
+	$(PY) benchmarks/scale.py $(SCALE)
 
 clean:
 	rm -rf $(VENV) build dist runs *.egg-info .pytest_cache .ruff_cache

@@ -61,7 +61,7 @@ from autoshard.strategies import Lowering, Saved, entry_for
 from autoshard.strategies.registry import itemsize as _itemsize
 from autoshard.strategies.registry import largest_operand
 from autoshard.strategies.registry import numel as _numel
-from autoshard.tracing.trace import tensor_inputs
+from autoshard.tracing.trace import structure, tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan, Plan
@@ -360,7 +360,7 @@ def _comm(
 
 
 def _aliases(value: fx.Node) -> bool:
-    """Its output is a view of its input, as many elements (`OpEntry.aliases`)."""
+    """Its output is a view of its first input's storage (`OpEntry.aliases`)."""
     entry = entry_for(value.target)
     return entry is not None and entry.aliases
 
@@ -380,7 +380,7 @@ def _bucketed_comm(node_plan: NodePlan, plan: Plan, hardware: Hardware) -> dict[
     return dict(out)
 
 
-def _storage_of(value: fx.Node, plan: Plan) -> str:
+def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
     local tensor too, since that tensor came out of the same op on a shard)."""
@@ -388,7 +388,30 @@ def _storage_of(value: fx.Node, plan: Plan) -> str:
         if any(plan.nodes[value.name].input_steps):
             break
         value = tensor_inputs(value)[0]
-    return value.name
+    return value
+
+
+def storage_of(value: fx.Node, plan: Plan) -> str:
+    """The name of `value`'s `storage_node`: what tensors kept as stored are counted by."""
+    return storage_node(value, plan).name
+
+
+def stored_bytes(value: fx.Node, plan: Plan) -> int:
+    """Bytes of `value` on one rank as the plan stores it (0 for what it does not lay out)."""
+    layout = plan.stored_layout(value)
+    val = value.meta.get("val")
+    if layout is None or not hasattr(val, "shape"):
+        return 0
+    return _numel(layout.local_shape(tuple(val.shape), plan.mesh)) * val.element_size()
+
+
+def _as_stored(value: fx.Node, nbytes: int, plan: Plan) -> dict[str, int]:
+    """{storage name: bytes} of a tensor kept as stored: `nbytes` when it is its own
+    storage, else the bytes of the storage it views."""
+    storage = storage_node(value, plan)
+    if storage is value or storage.op == "get_attr":
+        return {value.name: nbytes} if storage is value else {}
+    return {storage.name: stored_bytes(storage, plan)}
 
 
 def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
@@ -437,6 +460,7 @@ def node_cost(
     hardware: Hardware,
     *,
     mask_itemsize: int | None = None,
+    alike: dict | None = None,
 ) -> NodeCost:
     """A node's costs on one rank at the plan's local shapes: each tensor input at
     its strategy's input layout (a gathered operand is what the node computes on
@@ -444,7 +468,75 @@ def node_cost(
     parameter that reaches the node through a step is a new tensor, so it counts
     as saved when the node keeps it. An input the node keeps as its stored shard
     (`Strategy.regather`) counts at that size, and backward pays its gathers
-    once more."""
+    once more. `alike`: a cache the calls of one `node_costs` share."""
+    inputs = tensor_inputs(node)
+    if alike is None:
+        known = _node_cost(node, node_plan, plan, hardware, mask_itemsize)
+    else:
+        key = _alike_key(node, node_plan, plan, inputs)
+        known = alike.get(key)
+        if known is None:
+            known = alike[key] = _node_cost(node, node_plan, plan, hardware, mask_itemsize)
+    forward, backward, parts, transient = known
+    parts = dict(parts)
+    strategy = node_plan.strategy
+    # which calls are the node's own depends on the plan around it (conversions it
+    # shares, gradients a bucket reduces), so it is not part of what alike nodes share
+    comm_forward, comm_backward = _comm(plan.node_steps(node_plan), hardware, plan.mesh)
+    for axis, seconds in _bucketed_comm(node_plan, plan, hardware).items():
+        comm_backward[axis] = comm_backward.get(axis, 0.0) + seconds
+    for step in node_plan.regathered_steps():  # backward gathers the kept shard again
+        seconds = step_time(step, hardware, plan.mesh)[0]
+        comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
+    conversions = {}
+    for s in plan.shared:
+        source = f"{s.source}:{s.source_input}"
+        conversions[s.node, s.input] = conversions[s.source, s.source_input] = source
+    # An input kept as it is stored (a shard kept for a re-gather too), or the output
+    # kept as it is stored, is the very tensor every other node that keeps it (or a
+    # view of it) keeps: named by its storage, so it counts once. A view kept counts
+    # as the storage it views (an expanded mask as its small source).
+    shared = {}
+    for part in list(parts):
+        if part == "output" and not node_plan.output_steps:
+            shared.update(_as_stored(node, parts.pop(part), plan))
+        elif isinstance(part, int) and (node.name, part) in conversions:
+            # a conversion several nodes read (`Plan.shared`) is one tensor
+            shared["converted " + conversions[node.name, part]] = parts.pop(part)
+        elif isinstance(part, int) and inputs[part].op != "get_attr":
+            if not node_plan.input_steps[part] or part in strategy.regather:
+                shared.update(_as_stored(inputs[part], parts.pop(part), plan))
+    return NodeCost(
+        forward,
+        backward,
+        dict(comm_forward),
+        dict(comm_backward),
+        sum(parts.values()),
+        transient,
+        shared,
+    )
+
+
+def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:
+    """What `_node_cost` reads, names aside: the node's `structure`, its plan's fields
+    and how its inputs are stored. Objects count by identity: the planner gives the
+    nodes of identical blocks the very same strategies and steps, and the plan keeps
+    them alive while `node_costs` runs."""
+    return (
+        structure(node),
+        placed.shape,
+        id(placed.strategy),
+        id(placed.input_steps),
+        id(placed.output_steps),
+        placed.input_needs_grad,
+        placed.needs_grad,
+        tuple(id(plan.stored_layout(inp)) for inp in inputs),
+    )
+
+
+def _node_cost(node, node_plan, plan, hardware, mask_itemsize) -> tuple:
+    """`node_cost`'s name-free part: compute seconds, the saved parts (`_saved_parts`)
+    and the transient bytes."""
     mesh = plan.mesh
     inputs = tensor_inputs(node)
     strategy = node_plan.strategy
@@ -477,33 +569,8 @@ def node_cost(
         held=held,
         lowering=strategy.lowering,
     )
-    conversions = {}
-    for s in plan.shared:
-        source = f"{s.source}:{s.source_input}"
-        conversions[s.node, s.input] = conversions[s.source, s.source_input] = source
-    # An input kept as it is stored (a shard kept for a re-gather too), or the output
-    # kept as it is stored, is the very tensor every other node that keeps it (or a
-    # view of it) keeps: named by its storage, so it counts once.
-    shared = {}
-    for part in list(parts):
-        if part == "output" and not node_plan.output_steps:
-            shared[_storage_of(node, plan)] = parts.pop(part)
-        elif isinstance(part, int) and (node.name, part) in conversions:
-            # a conversion several nodes read (`Plan.shared`) is one tensor
-            shared["converted " + conversions[node.name, part]] = parts.pop(part)
-        elif isinstance(part, int) and inputs[part].op != "get_attr":
-            if not node_plan.input_steps[part] or part in strategy.regather:
-                shared[_storage_of(inputs[part], plan)] = parts.pop(part)
-    comm_forward, comm_backward = _comm(plan.node_steps(node_plan), hardware, mesh)
-    for axis, seconds in _bucketed_comm(node_plan, plan, hardware).items():
-        comm_backward[axis] = comm_backward.get(axis, 0.0) + seconds
-    for step in node_plan.regathered_steps():  # backward gathers the kept shard again
-        seconds = step_time(step, hardware, mesh)[0]
-        comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
     transient = _transient_bytes(node, node_plan, in_shapes, out_shape)
-    return NodeCost(
-        forward, backward, comm_forward, comm_backward, sum(parts.values()), transient, shared
-    )
+    return forward, backward, parts, transient
 
 
 def node_costs(
@@ -512,8 +579,11 @@ def node_costs(
     """`node_cost` of every node of `plan`, and under ``"output"`` the collectives
     that return the outputs."""
     graph_nodes = traced.nodes
+    alike: dict = {}  # nodes alike are costed once (`_alike_key`)
     out = {
-        name: node_cost(graph_nodes[name], placed, plan, hardware, mask_itemsize=mask_itemsize)
+        name: node_cost(
+            graph_nodes[name], placed, plan, hardware, mask_itemsize=mask_itemsize, alike=alike
+        )
         for name, placed in plan.nodes.items()
     }
     returned = [(step, True) for steps in plan.output_steps for step in steps]

@@ -28,9 +28,16 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import Cost, NodeCost, node_costs, parameter_bytes
+from autoshard.cost.model import (
+    Cost,
+    NodeCost,
+    node_costs,
+    parameter_bytes,
+    storage_node,
+    stored_bytes,
+)
 from autoshard.planning.plan import Plan
-from autoshard.planning.units import units_of
+from autoshard.planning.units import resident_values, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 
@@ -45,6 +52,7 @@ class Totals:
     params: int
     entry: int  # bytes of the activations that enter the set from outside
     transient: int  # the largest transient buffer of one node
+    resident: int = 0  # bytes of what it makes that many units read (see `totals`)
 
     @property
     def time(self) -> float:
@@ -58,16 +66,19 @@ def totals(
     names,
     optimizer: float,
     first_users: dict[str, str],
+    resident: frozenset[str] = frozenset(),
 ) -> Totals:
     """Sum the costs of the nodes `names`; a parameter counts with its first user
-    (`first_users`: FQN → node name, from `first_users`)."""
+    (`first_users`: FQN → node name, from `first_users`). An activation many units
+    read (`resident`: storage names, from `resident_values`) counts once, with the
+    set that makes it, for as long as the step runs; not where it is read."""
     names = list(dict.fromkeys(names))  # ordered: float sums must not depend on hashing
     members = set(names)
     graph = traced.nodes
     compute = forward = 0.0
     comm: dict[str, float] = defaultdict(float)
-    saved = params = entry = transient = 0
-    entering: dict = {}
+    saved = params = transient = 0
+    entering: dict[str, int] = {}  # storage → bytes: views of one tensor enter once
     shared: dict[str, int] = {}  # values kept as they are stored: once, whoever keeps them
     for name in names:
         cost = costs[name]
@@ -80,20 +91,20 @@ def totals(
         transient = max(transient, cost.transient_bytes)
         for inp in tensor_inputs(graph[name]):
             if inp.op != "get_attr" and inp.name not in members:
-                entering[inp] = None
-    saved += sum(shared.values())
+                storage = storage_node(inp, plan)
+                if storage.name not in resident and storage.name not in members:
+                    entering[storage.name] = stored_bytes(storage, plan)
+    saved += sum(b for value, b in shared.items() if value not in resident)
     for fqn in (f for f, user in first_users.items() if user in members):
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
         # Buffers and frozen parameters: the tensor alone, no gradient, no optimizer state.
         multiplier = optimizer if tensor.requires_grad else -1.0
         params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
-    for inp in entering:
-        layout = plan.stored_layout(inp)
-        if layout is not None and hasattr(inp.meta.get("val"), "shape"):
-            local = layout.local_shape(tuple(inp.meta["val"].shape), plan.mesh)
-            entry += math.prod(local) * inp.meta["val"].element_size()
-    return Totals(compute, forward, dict(comm), saved, params, entry, transient)
+    made = sum(stored_bytes(graph[value], plan) for value in resident if value in members)
+    return Totals(
+        compute, forward, dict(comm), saved, params, sum(entering.values()), transient, made
+    )
 
 
 def first_users(traced: Traced, plan: Plan) -> dict[str, str]:
@@ -113,8 +124,10 @@ def own_memory(total: Totals, recomputed: bool) -> tuple[int, int]:
     saved activations, and the gradient of what enters it, which grows while its
     backward runs; a recomputed unit also holds its inputs, and replays the rest."""
     if recomputed:
-        return total.entry, 2 * total.entry + total.saved
-    return total.saved, total.saved + total.entry
+        kept = total.entry + total.resident
+        return kept, kept + total.entry + total.saved
+    kept = total.saved + total.resident
+    return kept, kept + total.entry
 
 
 def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 2.0) -> Cost:
@@ -122,8 +135,10 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
     costs = node_costs(traced, plan, hardware)
     users = first_users(traced, plan)
     members: dict[str, list[str]] = defaultdict(list)
-    for name, unit in units_of(traced, plan).items():
+    units = units_of(traced, plan)
+    for name, unit in units.items():
         members[unit].append(name)
+    resident = resident_values(traced, plan, units)
     whole = totals(traced, plan, costs, list(plan.nodes), optimizer, users)
     comm = dict(whole.comm)
     for axis, seconds in costs["output"].forward_comm.items():
@@ -131,7 +146,7 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
     recompute = 0.0
     held = peak = 0
     for names in members.values():
-        total = totals(traced, plan, costs, names, optimizer, users)
+        total = totals(traced, plan, costs, names, optimizer, users, resident)
         recomputed = any(name in plan.regions for name in names)
         recompute += total.forward if recomputed else 0.0
         kept, own = own_memory(total, recomputed)

@@ -18,6 +18,7 @@ every rank and are split on entry the way the first 3D linear reads them.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import math
@@ -41,7 +42,7 @@ from autoshard.strategies import (
     replicated_fallback,
     rule_for,
 )
-from autoshard.tracing.trace import Traced, module_path, tensor_inputs
+from autoshard.tracing.trace import Traced, module_path, structure, tensor_inputs
 
 
 def check_strategy(strategy) -> None:
@@ -175,6 +176,10 @@ def plan_graph(
     notes: list[str] = []
     fallbacks: dict[str, str] = {}
     output_steps: tuple = ()
+    placed_alike: dict[tuple, NodePlan] = {}  # `_context_key` → a node placed in that context
+    # The fixed strategies, numbered by identity (`fixed` keeps them alive): the solver
+    # gives identical blocks the very same objects, and numbers hash fast.
+    fixed_number = {id(s): i for i, s in enumerate({id(s): s for s in fixed.values()}.values())}
 
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -209,6 +214,13 @@ def plan_graph(
                         layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
                     )
                     layouts[i] = pretend
+            own = (knobs or {}).get(node.name, Knobs())
+            fixed_as = fixed_number.get(id(chosen)) if chosen is not None else None
+            key = _context_key(node, family, layouts, operands, stored, needs_grad, own, fixed_as)
+            template = placed_alike.get(key) if not bridges else None
+            if template is not None:
+                nodes[node.name] = _reuse(template, node, operands, stored, needs_grad, storage)
+                continue
             families = _fallbacks(family) if fallback and chosen is None else [family]
             for attempt, family in enumerate(families):
                 ctx = Context(node, planning, operands, layouts, family)
@@ -217,7 +229,6 @@ def plan_graph(
                 try:
                     if not last and candidates[0].detail == "no layout divides":
                         raise ShapeError(message)
-                    own = (knobs or {}).get(node.name, Knobs())
                     nodes[node.name] = _place(
                         node, ctx, candidates, stored, needs_grad, storage, planning, own, chosen
                     )
@@ -231,6 +242,8 @@ def plan_graph(
                 elif message:
                     warnings.warn(message, stacklevel=3)
                     notes.append(message)
+                elif not bridges and key is not None:  # a warning names its node: no reuse
+                    placed_alike[key] = nodes[node.name]
                 break
             if bridges:
                 placed = nodes[node.name]
@@ -246,7 +259,133 @@ def plan_graph(
                 )
                 for v in tensor_inputs(node)
             )
+    _localize(graph, nodes, stored, planning, mesh)
     return Plan(mesh, nodes, storage, entry_steps, output_steps, notes, fallbacks=fallbacks)
+
+
+def _localize(graph: fx.Graph, nodes: dict[str, NodePlan], stored, planning: Mesh, mesh) -> None:
+    """Compute locally what every reader only slices: a replicated value without a
+    gradient (a causal mask from `arange`s, comparisons and `expand`) whose readers
+    all split it, free, to one layout is made in that layout instead, by its own
+    rule on its inputs sliced alike; its inputs are then tried in turn. So no rank
+    builds or keeps a global mask that every rank uses a slice of.
+
+    Walks the graph backward, so a chain is localized from its readers up."""
+    for node in reversed(graph.nodes):
+        placed = nodes.get(node.name)
+        if placed is None or placed.needs_grad or not is_tensor(node):
+            continue
+        if placed.strategy.stored.sharded_axes or placed.strategy.stored.partial:
+            continue
+        wanted = _sliced_by_all(node, nodes)
+        if wanted is None:
+            continue
+        operands = tensor_inputs(node)
+        out_shape = _shape(node)
+        layouts = [
+            _aligned(wanted, _shape(inp), out_shape).normalized(planning) for inp in operands
+        ]
+        ctx = Context(node, planning, operands, layouts, placed.strategy.family)
+        try:
+            candidates, message = _candidates(ctx, mesh)
+        except (ShapeError, StrategyError):
+            continue
+        fits = [
+            c
+            for c in candidates
+            if not message
+            and c.stored == wanted
+            and c.output == wanted
+            and c.inputs == tuple(layouts)
+        ]
+        if not fits:
+            continue
+        strategy = fits[0]
+        steps = tuple(
+            tuple(redistribute(stored[inp], lay, _shape(inp), _itemsize(inp), mesh))
+            for inp, lay in zip(operands, layouts)
+        )
+        if any(s.kind != "split" for chain in steps for s in chain):
+            continue  # an input is sharded otherwise: slicing it here would move data
+        nodes[node.name] = dataclasses.replace(
+            placed,
+            strategy=strategy,
+            local_shape=strategy.stored.local_shape(out_shape, mesh),
+            input_steps=steps,
+            output_steps=(),
+        )
+        stored[node] = strategy.stored
+        for user in (u for u in node.users if u.name in nodes):
+            reader = nodes[user.name]
+            reader.input_steps = tuple(
+                () if inp is node else reader.input_steps[j]
+                for j, inp in enumerate(tensor_inputs(user))
+            )
+
+
+def _sliced_by_all(node: fx.Node, nodes: dict[str, NodePlan]) -> Layout | None:
+    """The layout every reader of `node` splits it to, with nothing but free local
+    splits; None if any reader does something else, or they want different layouts."""
+    wanted = set()
+    for user in node.users:
+        reader = nodes.get(user.name)
+        if reader is None:
+            if user.op == "call_function" and user.meta.get("val") is None:
+                continue  # a check of the tensor's metadata, which reads no data
+            return None
+        for j, inp in enumerate(tensor_inputs(user)):
+            if inp is not node:
+                continue
+            steps = reader.input_steps[j]
+            if not steps or any(s.kind != "split" for s in steps):
+                return None
+            wanted.add(reader.strategy.inputs[j])
+    return wanted.pop() if len(wanted) == 1 else None
+
+
+def _aligned(out: Layout, shape, out_shape) -> Layout:
+    """`out` as seen by an operand of `shape` broadcast to `out_shape`: split where the
+    operand has the output's size, whole where it broadcasts."""
+    offset = len(out_shape) - len(shape)
+    return Layout(
+        tuple(
+            out.dims[d + offset] if shape[d] == out_shape[d + offset] else ()
+            for d in range(len(shape))
+        )
+    )
+
+
+def _context_key(node, family, layouts, operands, stored, needs_grad, knobs, fixed_as):
+    """Everything `_place` reads about `node`, without names: equal keys, equal
+    placements (the blocks of a deep model are planned once). None for an op that
+    updates a tensor in place, whose rule looks at the graph around it."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return None
+    return (
+        structure(node),
+        family,
+        tuple(layouts),
+        tuple(needs_grad[n] for n in operands),
+        tuple(n in stored for n in operands),
+        knobs,
+        fixed_as,  # the number of the strategy `fixed` gives it
+    )
+
+
+def _reuse(template: NodePlan, node, operands, stored, needs_grad, storage) -> NodePlan:
+    """`template` (placed in the same `_context_key`) as `node`'s plan, with the
+    effects `_place` has: parameters stored on first use, the node's own layout."""
+    strategy = template.strategy
+    for i, inp in enumerate(operands):
+        if inp not in stored:
+            stored[inp] = strategy.storage_for(i)
+            storage[inp.target] = stored[inp]
+    needs_grad[node] = template.needs_grad
+    stored[node] = strategy.outputs if not is_tensor(node) else strategy.stored
+    placed = copy.copy(template)  # the same layouts and steps, shared: only names differ
+    placed.name, placed.module = node.name, module_path(node)
+    return placed
 
 
 def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
@@ -255,7 +394,7 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
     node = traced.nodes[name]
     inputs = tensor_inputs(node)
     placed = plan.nodes[name]
-    order = {n: i for i, n in enumerate(traced.nodes)}
+    order = _positions(traced)
     stored: dict[fx.Node, Layout] = {}
     for inp in inputs:  # a parameter is stored as its first user wants it
         earlier = plan.nodes.get(inp.name)
@@ -275,6 +414,15 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
     return dataclasses.replace(
         plan, nodes={**plan.nodes, name: again}, storage={**plan.storage, **storage}
     )
+
+
+def _positions(traced: Traced) -> dict[str, int]:
+    """Node name → its position in the graph, computed once per graph."""
+    meta = traced.graph_module.meta
+    known = meta.get("autoshard_positions")
+    if known is None or len(known) != len(traced.nodes):
+        known = meta["autoshard_positions"] = {n: i for i, n in enumerate(traced.nodes)}
+    return known
 
 
 def _candidates(ctx: Context, mesh: Mesh) -> tuple[list[Strategy], str | None]:

@@ -57,7 +57,7 @@ from autoshard.planning.estimate import Totals, estimate, first_users, own_memor
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
-from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.planning.units import EPILOGUE, PROLOGUE, resident_values, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 SPACES = {
@@ -155,6 +155,8 @@ class Problem:
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)  # unit → its sources
     plans: dict[Variant, Plan] = field(default_factory=dict)  # the whole model in each variant
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
+    # per variant, what many units read: counted once (`autoshard.planning.units.resident_values`)
+    resident: dict[Variant, frozenset[str]] = field(default_factory=dict)
 
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
@@ -218,19 +220,30 @@ def build_problem(
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
         members[u].append(name)
-    problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit)
+    resident = {v: resident_values(traced, plan, unit) for v, plan in plans.items()}
+    problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
+    signatures = _Signatures(plans, members)
+    all_costs = {}
     for (family, order), plan in plans.items():
-        costs = node_costs(traced, plan, hardware)
+        costs = all_costs[family, order] = node_costs(traced, plan, hardware)
         users = first_users(traced, plan)
         for u in units:
-            key = (family, order, _signature(plan, members[u]))
+            key = (family, order, signatures[(family, order), u])
             if key not in known:  # identical blocks cost the same: cost them once
                 known[key] = _unit_cost(
-                    traced, plan, members[u], costs, users, hardware, optimizer, u == units[-1]
+                    traced,
+                    plan,
+                    members[u],
+                    costs,
+                    users,
+                    hardware,
+                    optimizer,
+                    u == units[-1],
+                    resident[family, order],
                 )
             _add_options(problem, u, members[u], family, order, known[key])
-    _add_crossings(problem, traced, members, hardware, optimizer)
+    _add_crossings(problem, traced, members, hardware, optimizer, all_costs, signatures)
     return problem
 
 
@@ -251,12 +264,12 @@ class _UnitCost:
     transients: tuple[int, ...]  # per node, knobs at their defaults
 
 
-def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last) -> _UnitCost:
+def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last, resident) -> _UnitCost:
     """A unit's totals in `plan`, and with each knob of each of its layers turned (the
     whole unit costed again: a tensor the layer then keeps as stored may be one that
     another node of the unit keeps too, and counts once)."""
     knobs = []
-    before = totals(traced, plan, costs, names, optimizer, users)
+    before = totals(traced, plan, costs, names, optimizer, users, resident)
     for position, name in enumerate(names):
         placed = plan.nodes[name]
         if placed.strategy.split_weight is None:
@@ -267,7 +280,7 @@ def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last) -> 
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input
             cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
-            after = totals(traced, alt, {**costs, name: cost}, names, optimizer, users)
+            after = totals(traced, alt, {**costs, name: cost}, names, optimizer, users, resident)
             transient = cost.transient_bytes if kind == REGATHER else None
             knobs.append(_KnobCost(position, kind, before, after, transient))
     return _UnitCost(
@@ -324,18 +337,29 @@ def _worth_having(effect: Effect, transient: float | None, transient_before: flo
     return saves or effect.time < 0
 
 
-def _signature(plan: Plan, names: list[str]) -> tuple:
-    return tuple((plan.nodes[n].op, plan.nodes[n].shape, plan.nodes[n].strategy) for n in names)
+class _Signatures(dict):
+    """(variant, unit) → a small number, equal for units planned alike: the same ops,
+    shapes and strategies in the same order (identical blocks; computed once each)."""
+
+    def __init__(self, plans: dict[Variant, Plan], members: dict[str, list[str]]):
+        super().__init__()
+        numbers: dict[tuple, int] = {}
+        for variant, plan in plans.items():
+            for u, names in members.items():
+                nodes = [plan.nodes[n] for n in names]
+                signature = tuple((p.op, p.shape, p.strategy) for p in nodes)
+                self[variant, u] = numbers.setdefault(signature, len(numbers))
 
 
-def _add_crossings(problem: Problem, traced: Traced, members, hardware, optimizer) -> None:
+def _add_crossings(
+    problem: Problem, traced: Traced, members, hardware, optimizer, costs, signatures
+) -> None:
     """Each unit's `Crossing` per source, variant of the source and option of the unit:
     the unit's nodes costed with that source's nodes (its parameters' storage, the
     model's inputs' split) as the source's variant plans them, less the unit's own cost.
     Identical blocks wired alike are costed once."""
     users = first_users(traced, next(iter(problem.plans.values())))
     first_unit = problem.units[0]
-    costs = {v: node_costs(traced, plan, hardware) for v, plan in problem.plans.items()}
     wiring = {u: _wiring(traced, problem, members, u, users) for u in problem.units}
     problem.sources = {u: tuple(wiring[u]) for u in problem.units}
     known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
@@ -347,8 +371,7 @@ def _add_crossings(problem: Problem, traced: Traced, members, hardware, optimize
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    key = (f, g, _signature(own_plan, members[u]), wires)
-                    key += (_signature(source_plan, members[v]),)
+                    key = (f, g, signatures[g, u], wires, signatures[f, v])
                     if key not in known:
                         known[key] = _crossed(
                             traced,
@@ -362,6 +385,7 @@ def _add_crossings(problem: Problem, traced: Traced, members, hardware, optimize
                             costs[g],
                             hardware,
                             optimizer,
+                            problem.resident[g],
                         )
                     if known[key] is not None:
                         problem.crossing[u, v, f, g_option] = _crossing(
@@ -402,6 +426,7 @@ def _crossed(
     own_costs,
     hardware,
     optimizer,
+    resident,
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
     plans it, and its own totals; None where nothing changes."""
@@ -429,8 +454,8 @@ def _crossed(
         for name in members[u]
         if costs[name].transient_bytes != own_costs[name].transient_bytes
     }
-    crossed = totals(traced, context, costs, members[u], optimizer, users)
-    alone = totals(traced, own, own_costs, members[u], optimizer, users)
+    crossed = totals(traced, context, costs, members[u], optimizer, users, resident)
+    alone = totals(traced, own, own_costs, members[u], optimizer, users, resident)
     return crossed, alone, transient
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from autoshard.cost.model import storage_of
 from autoshard.planning.plan import Plan
 from autoshard.tracing.trace import Traced
 
@@ -53,8 +54,9 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
         if block:
             blocks[block].append(node.name)
     graph = traced.nodes
+    broadcast = _read_by_many(traced, plan, {n: unit_of(p.module) for n, p in plan.nodes.items()})
     for block, names in blocks.items():
-        parts = _parts(graph, names)
+        parts = _parts(graph, names, broadcast)
         if len(parts) > 1:
             for i, part in enumerate(parts):
                 for name in part:
@@ -62,15 +64,35 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
     return out
 
 
-def _parts(graph: dict, names: list[str]) -> list[list[str]]:
+def resident_values(traced: Traced, plan: Plan, units: dict[str, str]) -> frozenset[str]:
+    """The storage of every activation read in more than one unit besides its own
+    (`units`: node → unit, from `units_of`): a causal mask, rotary tables, position
+    ids. Such a tensor lives from where it is made until the backward of its first
+    reader, nearly the whole step, and counts once (`autoshard.planning.estimate.totals`)."""
+    storages = (storage_of(traced.nodes[v], plan) for v in _read_by_many(traced, plan, units))
+    return frozenset(s for s in storages if s in plan.nodes)  # inputs count where they enter
+
+
+def _read_by_many(traced: Traced, plan: Plan, units: dict[str, str]) -> set[str]:
+    """Values read by nodes of two or more units other than the one that makes them."""
+    readers: dict[str, set[str]] = defaultdict(set)
+    for name in plan.nodes:
+        for inp in traced.nodes[name].all_input_nodes:
+            if inp.op != "get_attr" and units.get(inp.name) != units[name]:
+                readers[inp.name].add(units[name])
+    return {value for value, read_in in readers.items() if len(read_in) > 1}
+
+
+def _parts(graph: dict, names: list[str], broadcast: set[str]) -> list[list[str]]:
     """`names` (a block's nodes, in order) cut after every node past which a single
     activation is live: produced in the block and used later, or entering the block
-    and used by a later node of it. Parameters do not count."""
+    and used by a later node of it. Parameters, and values that many blocks read
+    (`broadcast`: they live throughout anyway), do not count."""
     position = {name: i for i, name in enumerate(names)}
     last_use: dict[str, float] = {}  # value → position of its last use (inf: outside)
     for name in names:
         for inp in graph[name].all_input_nodes:
-            if inp.op != "get_attr":
+            if inp.op != "get_attr" and inp.name not in broadcast:
                 last_use[inp.name] = max(last_use.get(inp.name, -1), position[name])
         if any(user.name not in position for user in graph[name].users):
             last_use[name] = math.inf

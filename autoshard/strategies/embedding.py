@@ -101,10 +101,23 @@ def embedding(ctx: Context) -> list[Strategy]:
         )
         feature_table = Layout(((), (z,))).normalized(ctx.mesh)
         ids = Layout(tuple(tokens)).normalized(ctx.mesh)
-        candidates.append(make("feature-parallel", [feature_table, ids], stored, detail=""))
+        # The weight knob of a layer: the table kept whole over the token axes, or
+        # stored split over them too and gathered before the lookup (1/(x·y) of it).
+        for store, split in ((feature_table, False), (table, True)):
+            candidates.append(
+                make(
+                    "feature-parallel",
+                    [feature_table, ids],
+                    stored,
+                    storage=(store, None),
+                    detail="",
+                    split_weight=split,
+                )
+            )
     return [
         c
         for c in candidates
         if not any(lay.indivisible(ctx.shape(i), ctx.mesh) for i, lay in enumerate(c.inputs))
         and not c.stored.indivisible(ctx.out_shape, ctx.mesh)
+        and not c.storage_for(0).indivisible(ctx.shape(0), ctx.mesh)
     ]

@@ -61,7 +61,7 @@ class OpEntry:
     backward: Backward | None = None  # backward time / forward time, from needs_grad
     saved: SavedRule | None = None  # what autograd keeps for its backward
     free: bool = False  # launches no kernel and moves no data: costs nothing
-    aliases: bool = False  # its output is a view of its first input, as many elements
+    aliases: bool = False  # its output is a view of its first input's storage
     lowerings: tuple[Lowering, ...] = ()  # what its rule's strategies may lower to
 
 

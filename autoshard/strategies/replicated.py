@@ -1,7 +1,9 @@
-"""Small factory and mask ops (arange, full, tril, cumsum on ids, index, comparisons,
-the outer product that builds rotary tables):
+"""Small factory and mask ops (arange, full, tril, cumsum on ids, index, the outer
+product that builds rotary tables):
 they run replicated, on purpose and without a warning; their consumers take the
-part they need for free."""
+part they need for free. (Comparisons and logical ops, which build masks from
+these, are pointwise: they follow their inputs, so a mask whose readers all
+slice it is built as that slice, `autoshard.planning.planner`.)"""
 
 from torch.ops import aten
 
@@ -34,24 +36,6 @@ REPLICATED = (
     aten.gather.default,
     aten.pad.default,
     aten.constant_pad_nd.default,
-    aten.eq.Tensor,
-    aten.eq.Scalar,
-    aten.ne.Tensor,
-    aten.ne.Scalar,
-    aten.le.Tensor,
-    aten.le.Scalar,
-    aten.lt.Tensor,
-    aten.lt.Scalar,
-    aten.ge.Tensor,
-    aten.ge.Scalar,
-    aten.gt.Tensor,
-    aten.gt.Scalar,
-    aten.__and__.Tensor,
-    aten.__or__.Tensor,
-    aten.bitwise_and.Tensor,
-    aten.bitwise_or.Tensor,
-    aten.logical_not.default,
-    aten.bitwise_not.default,
 )
 
 register(*REPLICATED)(replicated_fallback)

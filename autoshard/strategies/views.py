@@ -136,12 +136,13 @@ def reshape(ctx: Context) -> list[Strategy]:
 
 
 # Views launch no kernel and move no data (`free`); some of them return a tensor
-# that shares its input's storage element for element (`aliases`), which the memory
-# model counts once.
+# that shares its input's storage (`aliases`: also expand, slice and select), which
+# the memory model counts once, as that storage.
 register(
     aten.view.default,
     aten.unsqueeze.default,
     aten.squeeze.dim,
+    aten.squeeze.dims,
     free=True,
     aliases=True,
     lowerings=(SHAPE,),
@@ -149,7 +150,6 @@ register(
 register(
     aten.reshape.default,
     aten._unsafe_view.default,
-    aten.squeeze.dims,
     aten.flatten.using_ints,
     aten.unflatten.int,
     free=True,
@@ -172,7 +172,7 @@ def permute(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], Layout(tuple(x.dims[d] for d in order)))]
 
 
-@register(aten.expand.default, free=True, lowerings=(SHAPE,))
+@register(aten.expand.default, free=True, aliases=True, lowerings=(SHAPE,))
 def expand(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     in_shape, out_shape = ctx.shape(0), ctx.out_shape
@@ -199,11 +199,11 @@ def slice_(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], x)]
 
 
-register(aten.slice.Tensor, free=True)(slice_)
+register(aten.slice.Tensor, free=True, aliases=True)(slice_)
 register(aten.narrow.default)(slice_)  # priced as a kernel
 
 
-@register(aten.select.int, free=True)
+@register(aten.select.int, free=True, aliases=True)
 def select(ctx: Context) -> list[Strategy]:
     dim = _dim_arg(ctx, 1)
     x = _unshard(ctx.layout(0), dim)

@@ -261,6 +261,47 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return list(found)
 
 
+def structure(node: fx.Node) -> int:
+    """What an op computes, with no names: its target, its arguments (each tensor as
+    its kind, shape and dtype; everything else as it is) and its result's shapes.
+    Two nodes of equal structure, given inputs laid out alike, are planned and
+    costed alike: the planner and the cost model reuse one's answers for the other,
+    so the blocks of a deep model cost the time of one. A number, equal for nodes
+    of equal structure; remembered on the node until its arguments change."""
+    known = node.meta.get("autoshard_structure")
+    if known is not None and known[0] is node.args and known[1] is node.kwargs:
+        return known[2]
+    described = (
+        node.op,
+        str(node.target),
+        _described((node.args, node.kwargs)),
+        _described(node.meta.get("val")),
+    )
+    found = _STRUCTURES.setdefault(described, len(_STRUCTURES))
+    node.meta["autoshard_structure"] = (node.args, node.kwargs, found)
+    return found
+
+
+# Every structure seen, numbered: keys made of structures then hash as small ints.
+_STRUCTURES: dict[tuple, int] = {}
+
+
+def _described(value):
+    if isinstance(value, fx.Node):
+        return ("node", value.op, _described(value.meta.get("val")))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_described(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _described(v)) for k, v in value.items()))
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 def module_path(node: fx.Node) -> str:
     """The FQN of the innermost module the node was traced in ('' for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
