@@ -7,8 +7,9 @@
 
     assert_equivalent(mlp, (2, 2, 2), strategy="3d")
 
-The model is planned once, here; every rank of a real gloo mesh builds it
-from the factory (same seed), runs the serial copy, a float64 copy and the
+The model is traced, planned and emitted once, here (`autoshard.compile`);
+every rank of a real gloo mesh builds it from the factory (same seed), applies
+that program (`parallelize(..., compiled=...)`), runs the serial copy, a float64 copy and the
 parallel program side by side for `steps` optimizer steps (`torch_optimizer`,
 SGD by default), and compares the outputs, every parameter gradient (gathered
 with `full_grads`), the gradient of every example input that requires grad,
@@ -36,10 +37,9 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.api import parallelize
-from autoshard.api import plan as autoshard_plan
+from autoshard.api import Compiled, parallelize
+from autoshard.api import compile as compile_program
 from autoshard.factory import load_factory
-from autoshard.planning.plan import Plan
 from autoshard.runtime.ranks import shared_pool
 
 # A parallel tensor fails when its error against the float64 serial reference exceeds
@@ -134,7 +134,7 @@ def _float64(model: torch.nn.Module, inputs: tuple):
 
 
 def _equivalence_job(
-    mesh, factory, planning: dict, steps: int, lr: float, torch_optimizer=torch.optim.SGD
+    mesh, factory, compiled: Compiled, steps: int, lr: float, torch_optimizer=torch.optim.SGD
 ) -> list[Mismatch]:
     if isinstance(factory, str):
         factory = load_factory(factory)
@@ -144,9 +144,7 @@ def _equivalence_job(
     reference, reference_inputs = _float64(model, inputs)
     serial_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
     reference_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in reference_inputs)
-    if isinstance(planning.get("plan"), str):  # planned once, in the parent
-        planning = {**planning, "plan": Plan.from_json(planning["plan"])}
-    parallel = parallelize(model, mesh, inputs, **planning)
+    parallel = parallelize(model, mesh, inputs, compiled=compiled)
     programs = ((serial, serial_inputs), (reference, reference_inputs), (parallel, inputs))
     optimizers = [torch_optimizer(m.parameters(), lr=lr) for m, _ in programs]
     found: list[Mismatch] = []
@@ -183,16 +181,15 @@ def _equivalence_job(
     return found
 
 
-def _planned_once(factory, mesh_shape, planning: dict) -> dict:
-    """`planning` with the plan made here, once, instead of on every rank (tracing and
-    solving are most of a small job's time); the ranks apply it as `plan=`."""
-    if "plan" in planning:
-        return planning
+def _compiled_once(factory, mesh_shape, planning: dict) -> Compiled:
+    """The program compiled here, once, for every rank (tracing, planning and emitting
+    are most of a small job's time); the ranks only cut their shards and run it."""
+    if "compiled" in planning:
+        return planning["compiled"]
     model_factory = load_factory(factory) if isinstance(factory, str) else factory
     torch.manual_seed(0)  # as every rank builds the model
     model, inputs = model_factory()
-    plan = autoshard_plan(model, tuple(mesh_shape), inputs, **planning)
-    return {"plan": plan.to_json()}
+    return compile_program(model, tuple(mesh_shape), inputs, **planning)
 
 
 def equivalence_report(
@@ -206,9 +203,9 @@ def equivalence_report(
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
-    planning = _planned_once(factory, mesh_shape, planning)
+    compiled = _compiled_once(factory, mesh_shape, planning)
     per_rank = pool.run(
-        _equivalence_job, tuple(mesh_shape), factory, planning, steps, lr, torch_optimizer
+        _equivalence_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
     )
     return [dataclasses.replace(m, rank=rank) for rank, found in enumerate(per_rank) for m in found]
 
@@ -263,8 +260,9 @@ def assert_equivalent(
     its error against the serial program exceeds `rtol` times its largest
     value, plus `atol`.
 
-    `planning` goes to `autoshard.plan` (strategy, memory_budget, hardware…), once,
-    in this process; the ranks apply the plan. Pass `plan=` to apply your own.
+    `planning` goes to `autoshard.compile` (strategy, memory_budget, hardware…,
+    or `plan=` to apply your own), once, in this process: the ranks apply the
+    compiled program and trace nothing. Pass `compiled=` to apply your own.
     `torch_optimizer` is the optimizer class every copy trains with (``lr=lr``).
     `factory` is a module-level callable returning ``(model, example_inputs)``
     (or ``"path/to/file.py:name"``). It runs in the shared pool of as many
