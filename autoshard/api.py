@@ -81,7 +81,7 @@ def trace_and_plan(
     """`plan`, keeping the traced graph the plan is for (what `passes.emit` needs to
     write a rank's program, as `autoshard show` does)."""
     traced = trace_modes(model, example_inputs)
-    return traced, _solved(traced, Mesh.from_shape(mesh_shape), options)
+    return traced, plan_traced(traced, Mesh.from_shape(mesh_shape), options)
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def compile(
 def _applied(plan: Plan | None, traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
     """`plan` checked against `traced` and `mesh`, or a new one solved for them."""
     if plan is None:
-        return _solved(traced, mesh, options)
+        return plan_traced(traced, mesh, options)
     if plan.mesh != mesh:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {mesh}; plan again")
     check_plan(plan, traced)
@@ -258,7 +258,10 @@ def parallelize(
     return ParallelModule(program, compiled, bound, model, check_calls=check == "always")
 
 
-def _solved(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+def plan_traced(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+    """The plan for a model already traced (`trace_modes`), stamped with what the graph
+    is made of: `plan` without tracing again, to plan one trace under several settings
+    and compile it with `Compiled.emitted`."""
     plan = plan_model(traced, mesh, options)
     plan.graph = fingerprint(traced)
     return plan

@@ -9,12 +9,13 @@
 
 The model is traced, planned and emitted once, here (`autoshard.compile`);
 every rank of a real gloo mesh builds it from the factory (same seed), applies
-that program (`parallelize(..., compiled=...)`), runs the serial copy, a float64 copy and the
-parallel program side by side for `steps` optimizer steps (`torch_optimizer`,
-SGD by default), and compares the outputs, every parameter gradient (gathered
-with `full_grads`), the gradient of every example input that requires grad,
-and the parameters after the steps: the parallel program's error against the
-float64 copy must be of the size of the serial program's own. The loss is
+that program (`parallelize(..., compiled=...)`) and trains it for `steps`
+optimizer steps (`torch_optimizer`, SGD by default); this process trains the
+serial model and a float64 copy alike, once, and compares each rank's outputs,
+every parameter gradient (gathered with `full_grads`), the gradient of every
+example input that requires grad, and the parameters after the steps: the
+parallel program's error against the float64 copy must be of the size of the
+serial program's own. The loss is
 a fixed random weighting of the outputs, so every output element matters.
 Dropout draws the same masks in all three (same seed before each step).
 
@@ -133,63 +134,101 @@ def _float64(model: torch.nn.Module, inputs: tuple):
     return reference, as_double
 
 
-def _equivalence_job(
+@dataclass
+class _Step:
+    """What one program computed in one optimizer step: its output leaves, every
+    parameter's gradient by name, and the gradient of each example input (None
+    where it needs none)."""
+
+    outputs: list
+    grads: dict
+    input_grads: list
+
+
+def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimizer):
+    """`steps` optimizer steps of `program` on `inputs`: what each step computed, and
+    the state after them. `grads_of()` gives the parameter gradients by name."""
+    optimizer = torch_optimizer(program.parameters(), lr=lr)
+    computed = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # the same dropout masks in every program
+        result = program(*inputs)
+        _loss(result).backward()
+        computed.append(_detached(_Step(_leaves(result), grads_of(), [t.grad for t in inputs])))
+        for t in inputs:
+            t.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+    return computed
+
+
+def _parallel_job(
     mesh, factory, compiled: Compiled, steps: int, lr: float, torch_optimizer=torch.optim.SGD
-) -> list[Mismatch]:
+):
+    """On each rank: the parallel program's steps (gradients gathered with `full_grads`)
+    and its full state after them, for the parent to compare with the serial model."""
     if isinstance(factory, str):
         factory = load_factory(factory)
     torch.manual_seed(0)
     model, inputs = factory()
-    serial = copy.deepcopy(model)
-    reference, reference_inputs = _float64(model, inputs)
-    serial_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
-    reference_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in reference_inputs)
     parallel = parallelize(model, mesh, inputs, compiled=compiled)
-    programs = ((serial, serial_inputs), (reference, reference_inputs), (parallel, inputs))
-    optimizers = [torch_optimizer(m.parameters(), lr=lr) for m, _ in programs]
+    computed = _train(parallel, inputs, parallel.full_grads, steps, lr, torch_optimizer)
+    return computed, parallel.full_state_dict()
+
+
+def _detached(step: _Step) -> _Step:
+    def detach(t):
+        return t.detach() if isinstance(t, torch.Tensor) else t
+
+    return _Step(
+        [detach(t) for t in step.outputs],
+        {name: detach(g) for name, g in step.grads.items()},
+        [detach(g) for g in step.input_grads],
+    )
+
+
+def _serial_runs(model, inputs, steps: int, lr: float, torch_optimizer):
+    """The fp32 serial program and its float64 copy trained alike: (steps, state) of each."""
+    reference, reference_inputs = _float64(model, inputs)
+    runs = []
+    for program, args in ((model, inputs), (reference, reference_inputs)):
+        args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in args)
+        grads_of = lambda p=program: {n: q.grad for n, q in p.named_parameters()}
+        computed = _train(program, args, grads_of, steps, lr, torch_optimizer)
+        runs.append((computed, program.state_dict()))
+    return runs
+
+
+def _compared(parallel, serial, exact, steps: int) -> list[Mismatch]:
+    """One rank's (steps, state) against the serial program's and the float64 copy's."""
     found: list[Mismatch] = []
-    for step in range(steps):
-        results = []
-        for program, args in programs:
-            torch.manual_seed(100 + step)  # the same dropout masks in every program
-            results.append(program(*args))
-        want, exact, got = (_leaves(r) for r in results)
-        if len(got) != len(want):
-            count = f"count (parallel {len(got)}, serial {len(want)})"
+    for step, (got, want, ref) in enumerate(zip(parallel[0], serial[0], exact[0])):
+        if len(got.outputs) != len(want.outputs):
+            count = f"count (parallel {len(got.outputs)}, serial {len(want.outputs)})"
             found.append(Mismatch("output", count, step, math.inf, 1.0, error=math.inf))
-        for i, (g, w, e) in enumerate(zip(got, want, exact)):
+        for i, (g, w, e) in enumerate(zip(got.outputs, want.outputs, ref.outputs)):
             found.append(_compare("output", str(i), step, g, w, e))
-        for result in results:
-            _loss(result).backward()
-        grads = parallel.full_grads()
-        exact_params = dict(reference.named_parameters())
-        for name, param in serial.named_parameters():
-            found.append(
-                _compare("grad", name, step, grads.get(name), param.grad, exact_params[name].grad)
-            )
-        for i, (t, want_in, exact_in) in enumerate(zip(inputs, serial_inputs, reference_inputs)):
-            if want_in.requires_grad:
-                name = f"input {i}"
-                found.append(_compare("grad", name, step, t.grad, want_in.grad, exact_in.grad))
-                t.grad = want_in.grad = exact_in.grad = None
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    full, exact_state = parallel.full_state_dict(), reference.state_dict()
-    for name, tensor in serial.state_dict().items():
+        for name, w in want.grads.items():
+            found.append(_compare("grad", name, step, got.grads.get(name), w, ref.grads[name]))
+        for i, (g, w, e) in enumerate(zip(got.input_grads, want.input_grads, ref.input_grads)):
+            if w is not None:
+                found.append(_compare("grad", f"input {i}", step, g, w, e))
+    full, state, exact_state = parallel[1], serial[1], exact[1]
+    for name, tensor in state.items():
         found.append(_compare("param", name, steps, full.get(name), tensor, exact_state[name]))
     return found
 
 
-def _compiled_once(factory, mesh_shape, planning: dict) -> Compiled:
-    """The program compiled here, once, for every rank (tracing, planning and emitting
-    are most of a small job's time); the ranks only cut their shards and run it."""
-    if "compiled" in planning:
-        return planning["compiled"]
+def _compiled_once(factory, mesh_shape, planning: dict):
+    """The model built here as every rank builds it, and its program compiled here,
+    once, for every rank (tracing, planning and emitting are most of a small job's
+    time); the ranks only cut their shards and run it."""
     model_factory = load_factory(factory) if isinstance(factory, str) else factory
     torch.manual_seed(0)  # as every rank builds the model
     model, inputs = model_factory()
-    return compile_program(model, tuple(mesh_shape), inputs, **planning)
+    if "compiled" in planning:
+        return model, inputs, planning["compiled"]
+    return model, inputs, compile_program(model, tuple(mesh_shape), inputs, **planning)
 
 
 def equivalence_report(
@@ -203,11 +242,16 @@ def equivalence_report(
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
-    compiled = _compiled_once(factory, mesh_shape, planning)
+    model, inputs, compiled = _compiled_once(factory, mesh_shape, planning)
     per_rank = pool.run(
-        _equivalence_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
+        _parallel_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
     )
-    return [dataclasses.replace(m, rank=rank) for rank, found in enumerate(per_rank) for m in found]
+    serial, exact = _serial_runs(model, inputs, steps, lr, torch_optimizer)
+    return [
+        dataclasses.replace(m, rank=rank)
+        for rank, parallel in enumerate(per_rank)
+        for m in _compared(parallel, serial, exact, steps)
+    ]
 
 
 def _allowed(m: Mismatch, floor: float, rtol: float, atol: float) -> float:
@@ -244,9 +288,10 @@ def assert_equivalent(
     """Raise AssertionError naming the worst mismatch if the parallel program differs
     from the serial model; return every comparison otherwise.
 
-    Every rank also runs a float64 copy of the serial model (same inputs, floating
-    ones cast to float64, same seeds, so the same dropout masks: CPU draws them
-    alike in either dtype), the reference both fp32 programs are measured against.
+    This process runs the serial model and a float64 copy of it (same inputs,
+    floating ones cast to float64, same seeds, so the same dropout masks: CPU
+    draws them alike in either dtype, and in any process), the reference both
+    fp32 programs are measured against; every rank's results are compared.
     Tensor by tensor (each output, every gradient, every parameter after the
     steps), the parallel program's largest error against it must not exceed
     `ERROR_FACTOR` times the serial program's own, plus a rounding floor of one

@@ -1,7 +1,6 @@
 """A zoo of small random Hugging Face models (no downloads), one factory per architecture.
 
-Every factory returns ``(model, example_inputs)`` like the ones in `hf_models.py`:
-2 layers, hidden 64, vocabulary 128, 4 heads, no dropout, batch 4. Token ids
+Every factory returns ``(model, example_inputs)``: 2 layers, hidden 64, vocabulary 128, 4 heads, no dropout, batch 4. Token ids
 always contain the model's padding id where it has one, so an embedding's
 ``padding_idx`` matters. Decoders run with ``use_cache=False`` (a cache is state
 torch.export cannot return). `ZOO` lists them by family; `EXPECTED_ERRORS` names

@@ -4,7 +4,7 @@ writes back what ``from_pretrained`` reads."""
 
 import pytest
 import torch
-from hf_models import llama
+from hf_zoo import llama
 from transformers import LlamaForCausalLM
 
 import autoshard
@@ -21,7 +21,7 @@ def _meta_loaded(mesh, directory, inputs, out_dir):
         model, _ = llama()
     parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
     autoshard.checkpoint.load_hf(parallel, directory, prefix="model.")
-    loss = parallel(*inputs)
+    (loss,) = parallel(*inputs)
     loss.backward()
     grads = parallel.full_grads()
     autoshard.checkpoint.save_hf(parallel, out_dir, prefix="model.", max_shard_bytes=40_000)
@@ -35,7 +35,7 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size
     directory = tmp_path / "hf"
     options = {"max_shard_size": shard_size} if shard_size else {}
     serial.model.save_pretrained(directory, **options)
-    want = serial(*inputs)
+    (want,) = serial(*inputs)
     want.backward()
     out_dir = tmp_path / "back"
     results = rank_pool.run(_meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir))
@@ -60,6 +60,6 @@ def test_hf_weights_that_do_not_fit_are_refused(tmp_path):
     with pytest.raises(autoshard.CheckpointError, match="is prefix='' right"):
         autoshard.checkpoint.load_hf(serial, tmp_path / "hf")
     other, _ = _serial()
-    other.model.lm_head = torch.nn.Linear(32, 70, bias=False)  # another vocabulary
-    with pytest.raises(autoshard.CheckpointError, match=r"has shape \[64, 32\] .* but \[70, 32\]"):
+    other.model.lm_head = torch.nn.Linear(64, 70, bias=False)  # another vocabulary
+    with pytest.raises(autoshard.CheckpointError, match=r"has shape \[128, 64\] .* but \[70, 64\]"):
         autoshard.checkpoint.load_hf(other, tmp_path / "hf", prefix="model.")
