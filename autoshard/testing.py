@@ -26,6 +26,7 @@ prediction.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -145,14 +147,49 @@ class _Step:
     input_grads: list
 
 
-def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimizer):
-    """`steps` optimizer steps of `program` on `inputs`: what each step computed, and
-    the state after them. `grads_of()` gives the parameter gradients by name."""
+class _Float64Kernels(TorchFunctionMode):
+    """The float64 reference's ops that have no float64 CPU kernel, computed exactly in
+    float64 another way: ``torch._grouped_mm`` (Hugging Face's mixture-of-experts
+    products), one matrix product per group.
+
+        with _Float64Kernels():
+            reference(*inputs)   # a float64 Mixtral: no float64 kernel for its experts otherwise
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._grouped_mm and args[0].dtype == torch.float64:
+            return _grouped_mm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    """Rows ``offs[g-1]:offs[g]`` of `a` [S, K] times ``b[g]`` [K, N], for every group g;
+    rows past the last offset are zero."""
+    if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None:
+        raise NotImplementedError(
+            f"the float64 reference computes torch._grouped_mm only for a 2-d input, 3-d "
+            f"weights and offs, with no bias; got {a.dim()}-d × {b.dim()}-d "
+            f"(offs {'given' if offs is not None else 'None'}, bias "
+            f"{'given' if bias is not None else 'None'})"
+        )
+    ends = offs.tolist()
+    pieces = [a[start:end] @ b[g] for g, (start, end) in enumerate(zip([0, *ends], ends))]
+    pieces.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[-1]))
+    out = torch.cat(pieces)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimizer, mode=None):
+    """`steps` optimizer steps of `program` on `inputs` (its forward under the
+    TorchFunctionMode `mode`, if any): what each step computed, and the state after
+    them. `grads_of()` gives the parameter gradients by name."""
     optimizer = torch_optimizer(program.parameters(), lr=lr)
     computed = []
     for step in range(steps):
         torch.manual_seed(100 + step)  # the same dropout masks in every program
-        result = program(*inputs)
+        with mode if mode is not None else contextlib.nullcontext():
+            result = program(*inputs)
         _loss(result).backward()
         computed.append(_detached(_Step(_leaves(result), grads_of(), [t.grad for t in inputs])))
         for t in inputs:
@@ -191,10 +228,13 @@ def _serial_runs(model, inputs, steps: int, lr: float, torch_optimizer):
     """The fp32 serial program and its float64 copy trained alike: (steps, state) of each."""
     reference, reference_inputs = _float64(model, inputs)
     runs = []
-    for program, args in ((model, inputs), (reference, reference_inputs)):
+    for program, args, mode in (
+        (model, inputs, None),
+        (reference, reference_inputs, _Float64Kernels()),
+    ):
         args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in args)
         grads_of = lambda p=program: {n: q.grad for n, q in p.named_parameters()}
-        computed = _train(program, args, grads_of, steps, lr, torch_optimizer)
+        computed = _train(program, args, grads_of, steps, lr, torch_optimizer, mode)
         runs.append((computed, program.state_dict()))
     return runs
 
