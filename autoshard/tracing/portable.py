@@ -53,6 +53,7 @@ class _Node:
     args: tuple
     kwargs: dict
     meta: dict
+    type: Any = None  # the node's type annotation
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ class Portable:
                 lambda a: env[a.name] if isinstance(a, _NodeRef) else a,
             )
             target = record.target.resolve() if isinstance(record.target, _Op) else record.target
-            node = graph.create_node(record.op, target, args, kwargs, name=record.name)
+            node = graph.create_node(
+                record.op, target, args, kwargs, name=record.name, type_expr=record.type
+            )
             node.meta = dict(record.meta)
             env[record.name] = node
         root = {
@@ -107,7 +110,8 @@ def _node(node: fx.Node) -> _Node:
     if isinstance(target, torch._ops.OpOverload):
         target = _Op(target.namespace, target._opname, target._overloadname)
     meta = {k: v for k, v in node.meta.items() if k not in _TRACE_ONLY_META and _picklable(v)}
-    return _Node(node.op, node.name, target, args, kwargs, meta)
+    annotation = node.type if _picklable(node.type) else None
+    return _Node(node.op, node.name, target, args, kwargs, meta, annotation)
 
 
 def _attribute(gm: fx.GraphModule, target: str):
