@@ -4,6 +4,8 @@
     autoshard show examples/mlp.py:mlp --mesh 1x2x4 --strategy 3d-allreduce --rank 5
     autoshard show examples/mlp.py:mlp --mesh 2x2x2 --strategy '{"layers.*.fc1": "replicated"}'
     autoshard calibrate --mesh 2x2x2 --out profile.json
+    autoshard ops
+    autoshard ops layer_norm
 
 `show` traces the model that a factory in a Python file builds, plans it for
 the mesh (no processes, no devices) and prints, with rich: a header (model,
@@ -11,6 +13,11 @@ mesh, strategy, how much of the parameters each rank holds), the plan (one
 row per node: strategy, shapes, stored layout, collectives), the predicted
 communication per collective kind, axis and phase, the planner's warnings,
 and the program one rank runs, with the parameter shards that rank holds.
+
+`ops` lists every op autoshard has a registry entry for and what the entry
+provides: the rule that lays it out on the mesh, how its compute is priced
+(FLOPs and backward), what autograd keeps for its backward, and the lowerings
+its strategies may take (`autoshard.strategies.registry`).
 
 `calibrate` measures α and β per mesh axis and the matmul rate on a live
 mesh (local gloo ranks, or the ranks of a `torchrun` launch), prints them and
@@ -46,7 +53,7 @@ from autoshard.mesh import Mesh
 from autoshard.planning.plan import Plan
 from autoshard.planning.planner import default_split
 from autoshard.sizes import memory_budget
-from autoshard.strategies import FAMILIES, Strategy
+from autoshard.strategies import FAMILIES, OpEntry, Strategy, entries
 
 EXIT_USAGE = 2
 _FAMILY_STYLE = {"3d": "green", "3d-allreduce": "cyan", "replicated": "yellow"}
@@ -489,6 +496,63 @@ def show(args, console: Console) -> None:
     console.print(Syntax(code, "python", word_wrap=True, background_color="default"))
 
 
+# ---------------------------------------------------------------------------- ops
+
+
+def _callable_text(fn, module: bool = False) -> str:
+    """A rule's or cost function's name (after its module's: `module`)."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None:  # a method of a parametrized cost: Product(left=1).flops
+        return f"{owner!r}.{fn.__name__}"
+    return f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__qualname__}" if module else fn.__qualname__
+
+
+def _op_text(op) -> str:
+    """An overload as torch prints it, without ``aten.``; a Python operator by its module."""
+    if hasattr(op, "_schema"):
+        return str(op).removeprefix("aten.")
+    return f"{op.__module__.lstrip('_')}.{op.__name__}"
+
+
+def entry_cells(entry: OpEntry) -> list[str]:
+    """One row of `autoshard ops`: op, rule, FLOPs, backward, saved, lowerings."""
+    rule = _callable_text(entry.rule, module=True) if entry.rule else "—"
+    if entry.free:
+        flops = backward = "free (a view)"
+    else:
+        flops = _callable_text(entry.flops) if entry.flops else "1 per element"
+        backward = _callable_text(entry.backward) if entry.backward else "2× forward"
+    saved = _callable_text(entry.saved) if entry.saved else "—"
+    lowerings = ", ".join(lowering.name for lowering in entry.lowerings) or "—"
+    return [_op_text(entry.op), rule, flops, backward, saved, lowerings]
+
+
+def ops(args, console: Console) -> None:
+    chosen = [e for e in entries() if args.filter in str(e.op) or args.filter in _op_text(e.op)]
+    if not chosen:
+        raise UsageError(f"no op with an entry matches {args.filter!r}: try `autoshard ops`")
+    table = Table(
+        title=f"ops with a registry entry ({len(chosen)} of {len(entries())}; aten. left out)",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("op", no_wrap=True)
+    for column in ("rule", "FLOPs", "backward", "saved for backward", "lowerings"):
+        table.add_column(column, overflow="fold")
+    for entry in sorted(chosen, key=lambda e: _op_text(e.op)):
+        table.add_row(*map(_plain, entry_cells(entry)))
+    console.print(table)
+    counts = [
+        sum(e.rule is not None for e in chosen),
+        sum(e.saved is not None for e in chosen),
+        sum(bool(e.lowerings) for e in chosen),
+    ]
+    console.print(
+        "{} with a rule (an op without one runs replicated, with a warning), {} keeping "
+        "something for backward, {} with a lowering".format(*counts)
+    )
+
+
 # ---------------------------------------------------------------------------- calibrate
 
 
@@ -582,6 +646,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank", type=int, default=0, help="whose program and shards to print (default: 0)"
     )
     show_parser.add_argument("--no-code", action="store_true", help="leave out the program")
+    ops_parser = commands.add_parser(
+        "ops",
+        help="list the ops autoshard knows and what it knows of each",
+        description="List every op with a registry entry: its rule, how its compute is "
+        "priced, what it saves for backward, and its lowerings.",
+    )
+    ops_parser.add_argument(
+        "filter", nargs="?", default="", help="only the ops whose name contains this"
+    )
     calibrate_parser = commands.add_parser(
         "calibrate",
         help="measure alpha and beta per mesh axis and write a hardware profile",
@@ -618,6 +691,8 @@ def main(argv=None) -> int:
             show(args, console)
         elif args.command == "calibrate":
             calibrate(args, console)
+        elif args.command == "ops":
+            ops(args, console)
     except (UsageError, AutoshardError) as e:
         message = " ".join(str(e).split())
         prefix = "" if isinstance(e, UsageError) else f"{type(e).__name__}: "

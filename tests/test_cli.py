@@ -8,6 +8,7 @@ import pytest
 from autoshard.cli import main, parse_mesh, rank_coordinate, slice_text
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
+from autoshard.strategies import entries
 
 MLP = str(Path(__file__).parents[1] / "examples/mlp.py")
 
@@ -39,7 +40,10 @@ def test_show_3d(capsys):
     summary = out[out.index("predicted communication") :]
     assert "total" in summary and "reduce_scatter" in summary
     assert "rank 0's program" in out
-    assert "autoshard_runtime_comm_all_gather(" in out and "autoshard_runtime_comm_reduce_scatter(" in out
+    assert (
+        "autoshard_runtime_comm_all_gather(" in out
+        and "autoshard_runtime_comm_reduce_scatter(" in out
+    )
     assert "layers.0.fc1.weight" in out and "rows 0:16, cols 0:8" in out
 
 
@@ -198,3 +202,36 @@ def test_every_show_flag_reaches_the_planner(capsys, monkeypatch):
         assert check(received), (flag, received)
     assert "rank 3's program" in show(capsys, *args, "--rank", "3")
     assert "rank 0's program" not in show(capsys, *args, "--no-code")
+
+
+def test_ops_lists_every_entry_and_what_it_provides(capsys):
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    assert f"({len(entries())} of {len(entries())};" in out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line[:2] == "  " and line.strip()
+    }
+    assert rows["layer_norm.default"] == [
+        "norm.layer_norm",
+        "normalizing_flops",
+        "2×",
+        "forward",
+        "_native_saved",
+        "layer_norm",
+    ]
+    assert rows["linear.default"][:2] == ["linear.linear", "Product(left=0).flops"]
+    assert rows["view.default"] == ["views.reshape", *["free", "(a", "view)"] * 2, "—", "shape"]
+    assert rows["rms_norm.default"][0] == "—"  # costed, but no rule: it runs replicated
+    assert "operator.getitem" in rows
+
+
+def test_ops_filters_by_name(capsys):
+    assert main(["ops", "aten.embedding"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 of" in out and "vocab_embedding" in out and "linear" not in out
+    with pytest.raises(SystemExit) as exit:
+        main(["ops", "no_such_op"])
+    assert exit.value.code == 2
+    assert "no op with an entry matches 'no_such_op'" in capsys.readouterr().err

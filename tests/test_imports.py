@@ -8,8 +8,18 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 # Stages in pipeline order; a module may import modules of its stage or before.
+# The kernels the emitted program calls (collectives, local implementations) need
+# only the words; they come before the rules because an op's registry entry holds
+# its lowering, which names its kernel. They live in runtime/ with what runs them.
 STAGES = [
-    ["autoshard.errors", "autoshard.sizes", "autoshard.mesh", "autoshard.layout"],
+    [
+        "autoshard.errors",
+        "autoshard.sizes",
+        "autoshard.mesh",
+        "autoshard.layout",
+        "autoshard.formula",
+    ],
+    ["autoshard.runtime.comm", "autoshard.runtime.ops"],
     ["autoshard.tracing"],
     ["autoshard.strategies"],
     ["autoshard.cost"],

@@ -1,7 +1,10 @@
-"""One rule per op: a second registration is an error; the explicit-attention matmuls
-(q @ kᵀ, p @ v) take the activation-product rule and keep the scores split."""
+"""One entry per op: a second registration is an error; what the cost model and the
+passes use is the entry's; the explicit-attention matmuls (q @ kᵀ, p @ v) take the
+activation-product rule and keep the scores split."""
 
+import json
 import math
+import operator
 from pathlib import Path
 
 import pytest
@@ -11,11 +14,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autoshard
+from autoshard.errors import PlanError
 from autoshard.mesh import Mesh
+from autoshard.planning.plan import Plan
 from autoshard.planning.planner import plan_graph
 from autoshard.runtime.ranks import shared_pool
-from autoshard.strategies import register, rule_for
+from autoshard.strategies import Lowering, entries, entry_for, register, rule_for
 from autoshard.strategies.linear import matmul
+from autoshard.strategies.norm import LAYER_NORM
 from autoshard.testing import load_factory
 from autoshard.tracing.trace import trace
 
@@ -27,6 +33,41 @@ def test_registering_an_op_twice_is_an_error():
     with pytest.raises(ValueError, match="aten.matmul.default already has the rule"):
         register(aten.matmul.default)(lambda ctx: [])
     assert rule_for(aten.matmul.default) is matmul
+    with pytest.raises(ValueError, match="getitem.* already has an entry without a rule"):
+        register(operator.getitem, free=True)()
+    # a second lowering of a known name is refused before anything is registered
+    clash = Lowering("layer_norm", lambda node, placed, mesh: None)
+    with pytest.raises(ValueError, match="two lowerings are named 'layer_norm'"):
+        register(aten.hardtanh.default, lowerings=(clash,))(lambda ctx: [])
+    assert entry_for(aten.hardtanh.default) is None
+
+
+def test_every_op_has_one_entry():
+    ops = [entry.op for entry in entries()]
+    assert len(ops) == len(set(ops))
+    assert all(entry_for(op).op is op for op in ops)
+
+
+def test_the_plan_names_the_entries_lowerings():
+    # every lowering a chosen strategy takes is one its op's entry lists, and a plan
+    # read back from JSON holds the same objects
+    model, inputs = load_factory(f"{GPT}:gpt")()
+    traced = trace(model, inputs)
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d")
+    lowered = {n: p.strategy.lowering for n, p in plan.nodes.items() if p.strategy.lowering}
+    assert LAYER_NORM in lowered.values()
+    for name, lowering in lowered.items():
+        assert lowering in entry_for(traced.nodes[name].target).lowerings, name
+    again = Plan.from_json(plan.to_json())
+    assert {n: p.strategy.lowering for n, p in again.nodes.items()} == {
+        n: p.strategy.lowering for n, p in plan.nodes.items()
+    }
+    assert all(again.nodes[n].strategy.lowering is lowering for n, lowering in lowered.items())
+    data = json.loads(plan.to_json())
+    node = next(n for n in data["nodes"] if n["strategy"]["lowering"] == "layer_norm")
+    node["strategy"]["lowering"] = "layer_normal"
+    with pytest.raises(PlanError, match=r"strategy.lowering: no lowering is named 'layer_normal'"):
+        Plan.from_json(json.dumps(data))
 
 
 BATCH, HEADS, SEQ = 4, 4, 32  # the scores, 4·4·32·32, outsize every other tensor

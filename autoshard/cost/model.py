@@ -1,9 +1,9 @@
 """Time and memory per rank: the formulas the solver minimizes.
 
-Every formula is a `Formula`: a sympy expression of shape symbols, mesh sizes
-and hardware numbers (to print, and to check against closed forms in tests)
-and a plain-float function generated from it once (the solver evaluates it
-thousands of times).
+Every formula is a `Formula` (`autoshard.formula`): a sympy expression of shape
+symbols, mesh sizes and hardware numbers and the plain-float function made from it.
+What depends on the op (its FLOPs, its backward, what it saves) is in the op's
+registry entry (`autoshard.strategies.registry`); this module applies it.
 
 Time, from a `Hardware` profile:
 
@@ -14,9 +14,9 @@ Time, from a `Hardware` profile:
   ``grad_all_reduce`` are free in forward; their backward is the collective
   `Step.backward` names (`step_time`).
 - An op costs max(FLOPs/(peak·eff), bytes/(bandwidth·eff)) + launch floor,
-  with FLOPs and bytes (inputs + output) from its local shapes
+  with FLOPs (its entry's) and bytes (inputs + output) from its local shapes
   (`node_compute_time`); the backward is a multiple of the forward
-  (`backward_multiplier`).
+  (`backward_multiplier`, its entry's).
 
 Memory, in bytes per rank:
 
@@ -44,45 +44,28 @@ Memory, in bytes per rank:
 
 from __future__ import annotations
 
-import math
-import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from typing import TYPE_CHECKING
 
 import sympy
 import torch
 from torch import fx
-from torch.ops import aten
 
 from autoshard.cost.hardware import Hardware
+from autoshard.formula import Formula
 from autoshard.layout import Step
 from autoshard.mesh import Mesh
+from autoshard.strategies import Lowering, Saved, entry_for
+from autoshard.strategies.registry import itemsize as _itemsize
+from autoshard.strategies.registry import largest_operand
+from autoshard.strategies.registry import numel as _numel
 from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan, Plan
     from autoshard.tracing.trace import Traced
-
-
-class Formula:
-    """A sympy expression and the fast float function of `symbols` made from it."""
-
-    def __init__(self, expr: sympy.Expr, *symbols: sympy.Symbol):
-        self.expr = expr
-        self.symbols = symbols
-
-    @cached_property
-    def _fn(self):
-        return sympy.lambdify(self.symbols, self.expr, "math")
-
-    def __call__(self, *values: float) -> float:
-        return self._fn(*values)
-
-    def __str__(self) -> str:
-        return str(self.expr)
 
 
 # ------------------------------------------------------------------------- time
@@ -111,60 +94,6 @@ ROOFLINE = Formula(
     launch,
 )
 
-M, K, N = sympy.symbols("M K N", positive=True, integer=True)
-MATMUL_FLOPS = Formula(2 * M * K * N, M, K, N)
-# Attention over batch×heads BH: scores Q·Kᵀ and the weighted sum P·V, each a
-# matmul: 4·b·h·s²·d when q, k, v share the head dim d.
-BH, Sq, Sk, Dqk, Dv = sympy.symbols("BH S_q S_k D_qk D_v", positive=True, integer=True)
-ATTENTION_FLOPS = Formula(2 * BH * Sq * Sk * (Dqk + Dv), BH, Sq, Sk, Dqk, Dv)
-
-# Left matrix operand of each product, among the node's tensor inputs; the right one follows it.
-MATMULS = {
-    aten.linear.default: 0,
-    aten.mm.default: 0,
-    aten.matmul.default: 0,
-    aten.bmm.default: 0,
-    aten.addmm.default: 1,  # addmm(bias, x, w)
-    aten.baddbmm.default: 1,  # baddbmm(self, batch1, batch2)
-}
-ATTENTION = {aten.scaled_dot_product_attention.default}
-# Normalizations and softmaxes: a max or mean, a sum, a subtraction, an exp or a
-# division and a scale, about 5 FLOPs per element.
-NORMALIZING = {
-    aten.layer_norm.default,
-    aten.rms_norm.default,
-    aten.softmax.int,
-    aten._softmax.default,
-    aten.log_softmax.int,
-    aten._log_softmax.default,
-    aten.cross_entropy_loss.default,
-}
-NORMALIZING_FLOPS_PER_ELEMENT = 5
-# Views launch no kernel and move no data: they cost nothing.
-VIEWS = {
-    operator.getitem,
-    aten.view.default,
-    aten.reshape.default,
-    aten._unsafe_view.default,
-    aten.transpose.int,
-    aten.t.default,
-    aten.permute.default,
-    aten.expand.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.slice.Tensor,
-    aten.select.int,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.unflatten.int,
-    aten.flatten.using_ints,
-    aten.alias.default,
-    aten.detach.default,
-}
-# The backward of flash / memory-efficient attention runs five matmuls of the
-# forward's size to the forward's two (dV, dP, dS→dQ, dK, plus recomputing P).
-ATTENTION_BACKWARD = 2.5
 # Any other op's backward reads the output gradient and what the op saved and
 # writes the input gradients: about twice the forward's traffic.
 OTHER_BACKWARD = 2.0
@@ -182,18 +111,16 @@ def step_time(step: Step, hardware: Hardware, mesh: Mesh) -> tuple[float, float]
     return seconds(step.forward_collective), seconds(step.backward_collective)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 def _first_value(node: fx.Node) -> torch.Tensor:
     """The node's tensor, or the first of the tensors it returns (split, chunk)."""
     val = node.meta["val"]
     return val if isinstance(val, torch.Tensor) else val[0]
 
 
-def _itemsize(node: fx.Node) -> int:
-    return _first_value(node).element_size()
+def _free(node: fx.Node) -> bool:
+    """A view: it launches no kernel and moves no data (`OpEntry.free`)."""
+    entry = entry_for(node.target)
+    return entry is not None and entry.free
 
 
 def _needs_grad(inputs: list[fx.Node], needs_grad: Sequence[bool] | None) -> tuple[bool, ...]:
@@ -203,41 +130,31 @@ def _needs_grad(inputs: list[fx.Node], needs_grad: Sequence[bool] | None) -> tup
 
 
 def node_flops(node: fx.Node, local_in_shapes, local_out_shape) -> float:
-    """Forward FLOPs of `node` on these local shapes.
-
-    Products (linear, addmm, mm, matmul, bmm, baddbmm): 2·M·K·N. Attention:
-    4·b·h·s_q·s_k·d (`ATTENTION_FLOPS`). Normalizations and softmaxes: 5 per
-    element. Views: 0. Anything else: 1 per element of its largest operand.
+    """Forward FLOPs of `node` on these local shapes, as its registry entry computes
+    them (`OpEntry.flops`: products 2·M·K·N, attention 4·b·h·s_q·s_k·d, normalizations
+    and softmaxes 5 per element). Views: 0. Anything else: 1 per element of its
+    largest operand.
     """
-    op = node.target
-    if op in VIEWS:
+    if _free(node):
         return 0.0
-    if op in MATMULS:
-        k = local_in_shapes[MATMULS[op]][-1]
-        cols = local_out_shape[-1] if local_out_shape else 1
-        return MATMUL_FLOPS(_numel(local_out_shape) // cols, k, cols)
-    if op in ATTENTION:
-        q, key, v = local_in_shapes[:3]
-        return ATTENTION_FLOPS(_numel(q[:-2]), q[-2], key[-2], q[-1], v[-1])
-    largest = max([_numel(s) for s in local_in_shapes] + [_numel(local_out_shape)])
-    return largest * (NORMALIZING_FLOPS_PER_ELEMENT if op in NORMALIZING else 1)
+    entry = entry_for(node.target)
+    if entry is not None and entry.flops is not None:
+        return entry.flops(node, local_in_shapes, local_out_shape)
+    return largest_operand(node, local_in_shapes, local_out_shape)
 
 
 def backward_multiplier(node: fx.Node, needs_grad: Sequence[bool]) -> float:
-    """The backward's time as a multiple of the forward's.
-
-    A product computes one gradient product per matrix operand that needs a
-    gradient (a linear: 2× with the input's gradient, 1× for the first layer
-    whose input needs none). Attention: `ATTENTION_BACKWARD`. Views: 0.
-    Anything else: `OTHER_BACKWARD` when any input needs a gradient.
+    """The backward's time as a multiple of the forward's, as the node's registry
+    entry says (`OpEntry.backward`: a product computes one gradient product per
+    matrix operand that needs a gradient, attention 2.5×). Views: 0. Anything else:
+    `OTHER_BACKWARD` when any input needs a gradient.
     """
-    op = node.target
-    if op in VIEWS or not any(needs_grad):
+    if _free(node) or not any(needs_grad):
         return 0.0
-    if op in MATMULS:
-        x = MATMULS[op]
-        return float(sum(needs_grad[x : x + 2]))
-    return ATTENTION_BACKWARD if op in ATTENTION else OTHER_BACKWARD
+    entry = entry_for(node.target)
+    if entry is not None and entry.backward is not None:
+        return entry.backward(node, tuple(needs_grad))
+    return OTHER_BACKWARD
 
 
 def node_compute_time(
@@ -254,7 +171,7 @@ def node_compute_time(
     (tensor inputs + output, at their own dtypes) against the memory bandwidth,
     plus the launch floor. `needs_grad` flags each tensor input (default: the
     floating-point ones)."""
-    if node.target in VIEWS:
+    if _free(node):
         return 0.0, 0.0
     inputs = tensor_inputs(node)
     moved = sum(_numel(s) * _itemsize(i) for s, i in zip(local_in_shapes, inputs))
@@ -293,37 +210,6 @@ def parameter_bytes(
     return PARAMETER_BYTES(numel, itemsize, optimizer_multiplier)
 
 
-STATISTIC_BYTES = 4  # norms keep their per-row statistics in fp32 (the accumulation type)
-_SAVE_OUTPUT = {  # backward needs only the output: d relu = (y > 0), d tanh = 1 − y², ...
-    aten.relu.default,
-    aten.sigmoid.default,
-    aten.tanh.default,
-    aten.exp.default,
-    aten.sqrt.default,
-    aten.rsqrt.default,
-    aten.softmax.int,
-    aten._softmax.default,
-    aten.log_softmax.int,
-    aten._log_softmax.default,
-}
-_SAVE_INPUT = {  # backward needs the input
-    aten.gelu.default,
-    aten.silu.default,
-    aten.log.default,
-    aten.abs.default,
-    aten.pow.Tensor_Scalar,
-}
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What autograd keeps for one node's backward."""
-
-    inputs: tuple[int, ...] = ()  # tensor inputs kept, as indices into tensor_inputs(node)
-    output: bool = False  # the node's output kept
-    extra_bytes: int = 0  # buffers the op makes for its backward (masks, statistics)
-
-
 def saved(
     node: fx.Node,
     local_in_shapes: Sequence[Sequence[int]],
@@ -331,106 +217,31 @@ def saved(
     *,
     needs_grad: Sequence[bool] | None = None,
     mask_itemsize: int | None = None,
-    lowering: str | None = None,
+    lowering: Lowering | None = None,
 ) -> Saved:
-    """What autograd keeps for `node`'s backward, op by op (as torch's derivatives.yaml),
-    or, where the node runs as one of autoshard's lowerings (`lowering`, from its
-    strategy), what that implementation keeps (`_LOWERED`):
+    """What autograd keeps for `node`'s backward: what its op's registry entry says
+    (`OpEntry.saved`, as torch's derivatives.yaml has it), or, where the node runs
+    as a lowering that keeps other tensors (`lowering`, from its strategy), what that
+    implementation keeps (`Lowering.saved`). `mask_itemsize` is a dropout mask's
+    bytes per element (torch's native dropout keeps a bool mask; autoshard's lowering
+    a noise tensor of the activation's dtype, the default).
 
-    - products (linear, addmm, mm, matmul, bmm, baddbmm) and mul: each matrix
-      operand, if the other one needs a gradient (a linear keeps its input for
-      the weight's gradient and its weight for the input's);
-    - div(a, b): b, and a too if b needs a gradient;
-    - relu, sigmoid, tanh, exp, sqrt, rsqrt, softmax, log_softmax: the output;
-    - gelu, silu, log, abs, pow: the input;
-    - dropout: a mask of the output's size, `mask_itemsize` bytes per element,
-      nothing when p = 0 or not training. torch's native dropout keeps a bool
-      mask (1 byte); autoshard's lowering multiplies by a noise tensor of the
-      activation's dtype, the default here;
-    - layer_norm: the input and an fp32 mean and rstd per row; rms_norm: the
-      input and an fp32 rstd per row (the native kernels);
-    - masked_fill: the mask; where: the condition;
-    - embedding: the indices (the weight is a parameter);
-    - cross_entropy_loss: the log-softmax of the logits and the targets;
-    - scaled_dot_product_attention: q, k, v (and a mask, if given), the output
-      and an fp32 logsumexp per query (flash and memory-efficient kernels; the
-      math fallback would also keep the s² probabilities);
-    - everything else (views, add, sub, neg, sums, means, factories): nothing.
+    Nothing is kept when no input needs a gradient, or for an op with no entry or
+    an entry that says nothing (views, add, sub, neg, sums, means, factories).
+    `needs_grad` flags each tensor input (default: the floating-point ones).
 
-    Nothing is kept when no input needs a gradient. `needs_grad` flags each
-    tensor input (default: the floating-point ones).
+    `autoshard ops` lists what each op's entry keeps.
     """
-    op = node.target
-    inputs = tensor_inputs(node)
-    ng = _needs_grad(inputs, needs_grad)
+    ng = _needs_grad(tensor_inputs(node), needs_grad)
     if not any(ng):
         return Saved()
-    if lowering in _LOWERED:
-        return _LOWERED[lowering](node, local_in_shapes, local_out_shape, ng)
-    if op in MATMULS or (op == aten.mul.Tensor and len(inputs) == 2):
-        x = MATMULS.get(op, 0)
-        return Saved(tuple(i for i, other in ((x, x + 1), (x + 1, x)) if ng[other]))
-    if op == aten.div.Tensor and len(inputs) == 2:
-        return Saved((0, 1) if ng[1] else (1,))
-    if op in _SAVE_OUTPUT:
-        return Saved(output=True)
-    if op in _SAVE_INPUT:
-        return Saved((0,))
-    if op == aten.dropout.default:
-        p, train = (list(node.args[1:]) + [0.5, True])[:2]
-        if p == 0 or not train:
-            return Saved()
-        mask = mask_itemsize if mask_itemsize is not None else _itemsize(node)
-        return Saved(extra_bytes=_numel(local_out_shape) * mask)
-    if op in (aten.layer_norm.default, aten.rms_norm.default):
-        k = len(node.args[1])
-        rows = _numel(local_in_shapes[0][:-k])
-        statistics = 2 if op == aten.layer_norm.default else 1
-        return Saved((0,), extra_bytes=rows * statistics * STATISTIC_BYTES)
-    if op in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        return Saved((1,))
-    if op == aten.where.self:
-        return Saved((0,))
-    if op == aten.embedding.default:
-        return Saved((1,))
-    if op == aten.cross_entropy_loss.default:
-        return Saved((1,), extra_bytes=_numel(local_in_shapes[0]) * _itemsize(inputs[0]))
-    if op in ATTENTION:
-        queries = _numel(local_in_shapes[0][:-1])
-        return Saved(tuple(range(len(inputs))), output=True, extra_bytes=queries * STATISTIC_BYTES)
-    return Saved()
-
-
-def _lowered_layer_norm(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.runtime.ops.layer_norm` over sharded features keeps the centered input, rstd
-    per row (in the input's dtype), the normalized input (for the weight's gradient)
-    and the weight (for the input's)."""
-    x, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
-    rows = _numel(in_shapes[0][: -len(node.args[1])])
-    weight = (1,) if len(tensor_inputs(node)) > 1 and ng[0] else ()
-    return Saved(weight, extra_bytes=(2 * x + rows) * item)
-
-
-def _lowered_cross_entropy(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.runtime.ops.cross_entropy` over sharded logits keeps the local softmax and per
-    row the target's index (int64) and two bool masks."""
-    logits, item = _numel(in_shapes[0]), _itemsize(tensor_inputs(node)[0])
-    rows = _numel(in_shapes[0][:-1])
-    return Saved(extra_bytes=logits * item + rows * (8 + 2) + item)
-
-
-def _lowered_vocab_embedding(node, in_shapes, out_shape, ng) -> Saved:
-    """`autoshard.runtime.ops.vocab_embedding` keeps the local indices and the float mask of the
-    ids this rank holds."""
-    ids = _numel(in_shapes[1])
-    return Saved(extra_bytes=ids * (8 + _itemsize(node)))
-
-
-_LOWERED = {
-    "layer_norm": _lowered_layer_norm,
-    "cross_entropy": _lowered_cross_entropy,
-    "vocab_embedding": _lowered_vocab_embedding,
-}
+    entry = entry_for(node.target)
+    keeps = entry.saved if entry is not None else None
+    if lowering is not None and lowering.saved is not None:
+        keeps = lowering.saved
+    if keeps is None:
+        return Saved()
+    return keeps(node, local_in_shapes, local_out_shape, ng, mask_itemsize)
 
 
 def saved_bytes(
@@ -441,7 +252,7 @@ def saved_bytes(
     needs_grad: Sequence[bool] | None = None,
     mask_itemsize: int | None = None,
     held: Sequence[bool] | None = None,
-    lowering: str | None = None,
+    lowering: Lowering | None = None,
 ) -> int:
     """Bytes of what `saved` lists, on one rank. Inputs flagged in `held` are
     resident anyway and not counted (default: parameters and buffers, the
@@ -548,23 +359,17 @@ def _comm(
     return dict(forward), dict(backward)
 
 
-_VIEWS = {  # ops whose output is a view of their input, with as many elements
-    aten.view.default,
-    aten.transpose.int,
-    aten.permute.default,
-    aten.t.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.default,
-    aten.alias.default,
-}
+def _aliases(value: fx.Node) -> bool:
+    """Its output is a view of its input, as many elements (`OpEntry.aliases`)."""
+    entry = entry_for(value.target)
+    return entry is not None and entry.aliases
 
 
 def _storage_of(value: fx.Node, plan: Plan) -> str:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
     local tensor too, since that tensor came out of the same op on a shard)."""
-    while value.target in _VIEWS and value.name in plan.nodes:
+    while _aliases(value) and value.name in plan.nodes:
         if any(plan.nodes[value.name].input_steps):
             break
         value = tensor_inputs(value)[0]

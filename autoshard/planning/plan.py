@@ -14,7 +14,7 @@ from autoshard.cost.model import Cost
 from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.strategies import Strategy
+from autoshard.strategies import Lowering, Strategy, lowering_named
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _strategy_dict(s: Strategy) -> dict:
         "grad_partial": [sorted(g) for g in s.grad_partial],
         "storage": [_layout_dict(x) for x in s.storage],
         "epilogue": s.epilogue,
-        "lowering": s.lowering,
+        "lowering": s.lowering.name if s.lowering is not None else None,
         "internal": [asdict(x) for x in s.internal],
         "outputs": [_layout_dict(x) for x in s.outputs],
         "detail": s.detail,
@@ -304,6 +304,15 @@ class _Reader:
     def strings(self, data: dict, path: str) -> dict[str, str]:
         return {k: self.check(v, f"{path}[{k!r}]", str) for k, v in data.items()}
 
+    @staticmethod
+    def lowering(name: str | None, path: str) -> Lowering | None:
+        if name is None:
+            return None
+        try:
+            return lowering_named(name)
+        except KeyError as e:
+            raise PlanError(f"{path}.lowering: {e.args[0]}") from None
+
     def axis(self, value, path: str) -> str:
         if value not in self.mesh.names:
             raise PlanError(
@@ -387,7 +396,7 @@ class _Reader:
             epilogue=tuple(
                 self.items(self.field(d, "epilogue", path, list), f"{path}.epilogue", int)
             ),
-            lowering=self.field(d, "lowering", path, (str, type(None))),
+            lowering=self.lowering(self.field(d, "lowering", path, (str, type(None))), path),
             internal=tuple(self.steps(self.field(d, "internal", path, list), f"{path}.internal")),
             outputs=self.layouts(self.field(d, "outputs", path, list), f"{path}.outputs"),
             detail=self.field(d, "detail", path, str),

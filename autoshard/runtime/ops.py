@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 
+from autoshard.layout import Layout
 from autoshard.runtime import comm
 
 
@@ -95,14 +96,12 @@ class _Shard(NamedTuple):
 
 
 def _chunk_start(size: int, axes: tuple[str, ...]) -> tuple[int, int]:
-    """(first index, length) of this rank's chunk of a dim of `size` split over `axes`."""
+    """(first index, length) of this rank's chunk of a dim of `size` split over `axes`
+    (`Layout.shard_slices`, the one place that computes a rank's offsets)."""
     mesh = comm.current_mesh()
-    index, count = 0, 1
-    for axis in axes:
-        n = mesh.axes[axis].size
-        index, count = index * n + mesh.coordinate(axis), count * n
-    length = size // count
-    return index * length, length
+    coord = {axis: mesh.coordinate(axis) for axis in axes}
+    [(start, stop)] = Layout((axes,)).shard_slices((size,), mesh.mesh, coord)
+    return start, stop - start
 
 
 def vocab_embedding(

@@ -8,9 +8,13 @@ local op computes (possibly a pending sum), the layout the node stores
 after its own collectives, where the gradients of replicated inputs come
 back partial, and how parameters the node owns are stored.
 
-Rules are registered per ATen overload:
+Everything autoshard knows about one ATen op is its one registry entry
+(`registry.OpEntry`): the rule, its FLOPs and backward, what autograd keeps for
+it, and the `Lowering`s its strategies may name (how the node runs on shards,
+with the kernel it calls). Each module registers its ops next to their rule; a
+second registration of an op is an error; `autoshard ops` lists them all:
 
-    @register(aten.relu.default, aten.tanh.default)
+    @register(aten.relu.default, aten.tanh.default, saved=keeps_output)
     def pointwise(ctx): ...
 
 An op with no rule runs replicated (`replicated_fallback`), with a warning. So
@@ -44,11 +48,19 @@ from autoshard.strategies import (  # noqa: F401  (each module registers its rul
 from autoshard.strategies.base import (  # noqa: F401  (the rules' vocabulary)
     FAMILIES,
     Context,
+    Lowering,
+    Saved,
     Strategy,
     Unclaimed,
     is_tensor,
     make,
-    register,
     replicated_fallback,
+)
+from autoshard.strategies.registry import (  # noqa: F401  (one entry per op)
+    OpEntry,
+    entries,
+    entry_for,
+    lowering_named,
+    register,
     rule_for,
 )

@@ -11,19 +11,48 @@ contraction, and a softmax, which never splits its reduced dim.
 
 from __future__ import annotations
 
+import sympy
 from torch.ops import aten
 
+from autoshard.formula import Formula
 from autoshard.layout import Layout
-from autoshard.strategies.base import (
-    Context,
-    Strategy,
-    Unclaimed,
-    make,
+from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.registry import (
+    STATISTIC_BYTES,
+    keeps_output,
+    normalizing_flops,
+    numel,
     register,
 )
-from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.views import _dim_arg, _unshard
-from autoshard.tracing.trace import argument
+from autoshard.tracing.trace import argument, tensor_inputs
+
+# Attention over batch×heads BH: scores Q·Kᵀ and the weighted sum P·V, each a
+# matmul: 4·b·h·s²·d when q, k, v share the head dim d.
+BH, Sq, Sk, Dqk, Dv = sympy.symbols("BH S_q S_k D_qk D_v", positive=True, integer=True)
+ATTENTION_FLOPS = Formula(2 * BH * Sq * Sk * (Dqk + Dv), BH, Sq, Sk, Dqk, Dv)
+# The backward of flash / memory-efficient attention runs five matmuls of the
+# forward's size to the forward's two (dV, dP, dS→dQ, dK, plus recomputing P).
+ATTENTION_BACKWARD = 2.5
+
+
+def _attention_flops(node, in_shapes, out_shape) -> float:
+    q, key, v = in_shapes[:3]
+    return ATTENTION_FLOPS(numel(q[:-2]), q[-2], key[-2], q[-1], v[-1])
+
+
+def _attention_backward(node, needs_grad) -> float:
+    return ATTENTION_BACKWARD
+
+
+def _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """q, k, v (and a mask, if given), the output and an fp32 logsumexp per query
+    (flash and memory-efficient kernels; the math fallback would also keep the s²
+    probabilities)."""
+    queries = numel(in_shapes[0][:-1])
+    inputs = range(len(tensor_inputs(node)))
+    return Saved(tuple(inputs), output=True, extra_bytes=queries * STATISTIC_BYTES)
 
 
 def _query_layouts(ctx: Context) -> list[Layout]:
@@ -42,7 +71,12 @@ def _query_layouts(ctx: Context) -> list[Layout]:
     return [moved, kept] if moved != kept else [kept]
 
 
-@register(aten.scaled_dot_product_attention.default)
+@register(
+    aten.scaled_dot_product_attention.default,
+    flops=_attention_flops,
+    backward=_attention_backward,
+    saved=_attention_saved,
+)
 def sdpa(ctx: Context) -> list[Strategy]:
     if argument(ctx.node, "dropout_p"):  # a mask drawn per shard is not the serial one
         raise Unclaimed(f"dropout_p={argument(ctx.node, 'dropout_p')}")
@@ -63,7 +97,14 @@ def sdpa(ctx: Context) -> list[Strategy]:
     return candidates
 
 
-@register(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
+@register(
+    aten._softmax.default,
+    aten.softmax.int,
+    aten._log_softmax.default,
+    aten.log_softmax.int,
+    flops=normalizing_flops,
+    saved=keeps_output,
+)
 def softmax(ctx: Context) -> list[Strategy]:
     x = _unshard(ctx.layout(0), _dim_arg(ctx, 1))
     return [make("follow", [x], x)]

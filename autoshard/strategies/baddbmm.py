@@ -10,12 +10,13 @@ import dataclasses
 
 from torch.ops import aten
 
-from autoshard.strategies.base import Context, Strategy, make, register
-from autoshard.strategies.linear import activation_product
+from autoshard.strategies.base import Context, Strategy, make
+from autoshard.strategies.linear import Product, activation_product
 from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.registry import register
 
 
-@register(aten.baddbmm.default)
+@register(aten.baddbmm.default, **Product(1).facts())  # baddbmm(self, batch1, batch2)
 def baddbmm(ctx: Context) -> list[Strategy]:
     product = dataclasses.replace(ctx, inputs=ctx.inputs[1:], layouts=ctx.layouts[1:])
     out = []

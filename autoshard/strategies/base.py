@@ -1,9 +1,11 @@
-"""What a rule is and how it is registered: `Strategy`, `Context`, `register`."""
+"""What a rule is: `Context` in, `Strategy`s out; a strategy may name a `Lowering`.
+Rules are registered with their op's entry (`autoshard.strategies.registry`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
@@ -11,7 +13,44 @@ from torch import fx
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
+
 FAMILIES = ("3d", "3d-allreduce", "replicated", "any", "any-allreduce")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """What autograd keeps for one node's backward."""
+
+    inputs: tuple[int, ...] = ()  # tensor inputs kept, as indices into tensor_inputs(node)
+    output: bool = False  # the node's output kept
+    extra_bytes: int = 0  # buffers the op makes for its backward (masks, statistics)
+
+
+# What a node keeps for backward, from its local input shapes, its local output
+# shape, which tensor inputs need a gradient and the dropout mask's itemsize (None:
+# the activation's).
+SavedRule = Callable[
+    [fx.Node, Sequence[Sequence[int]], Sequence[int], tuple[bool, ...], "int | None"], Saved
+]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """How a node runs on shards where the ATen op on its shards is not the op: the
+    strategy that needs it names it (`Strategy.lowering`), `passes.localize` calls
+    `rewrite(node, placed, mesh)` to turn the node into the local computation (an
+    `autoshard.runtime.ops` kernel, or the op with local arguments), and the cost model
+    reads `saved` where that computation keeps other tensors than the ATen op
+    (None: the same)."""
+
+    name: str
+    rewrite: Callable[[fx.Node, NodePlan, Mesh], None]
+    saved: SavedRule | None = None
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 @dataclass(frozen=True)
@@ -25,9 +64,7 @@ class Strategy:
         Layout | None, ...
     ] = ()  # for inputs the node owns (parameters): how to store them
     epilogue: tuple[int, ...] = ()  # inputs applied after the output collectives (a linear's bias)
-    lowering: str | None = (
-        None  # a local implementation in autoshard.runtime.ops instead of the ATen op
-    )
+    lowering: Lowering | None = None  # how the node runs on shards, if not as the ATen op
     internal: tuple[Step, ...] = ()  # collectives inside the lowering (a norm's statistics)
     outputs: tuple[Layout, ...] = ()  # per output, for ops that return several tensors
     detail: str = ""
@@ -98,29 +135,6 @@ class Unclaimed(Exception):
 
 
 Rule = Callable[[Context], list[Strategy]]
-_REGISTRY: dict[object, Rule] = {}
-
-
-def register(*ops) -> Callable[[Rule], Rule]:
-    """Register `rule` for each of `ops`; an op registered twice is an error (the
-    second rule would silently replace the first)."""
-
-    def wrap(rule: Rule) -> Rule:
-        for op in ops:
-            if op in _REGISTRY:
-                raise ValueError(
-                    f"{op} already has the rule {_REGISTRY[op].__module__}."
-                    f"{_REGISTRY[op].__qualname__}; {rule.__module__}.{rule.__qualname__} "
-                    "cannot claim it too: one rule per op"
-                )
-            _REGISTRY[op] = rule
-        return rule
-
-    return wrap
-
-
-def rule_for(target) -> Rule | None:
-    return _REGISTRY.get(target)
 
 
 def replicated_fallback(ctx: Context) -> list[Strategy]:

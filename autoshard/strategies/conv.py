@@ -21,25 +21,44 @@ value of them is exact. An input without a batch dim is not claimed.
 from __future__ import annotations
 
 from itertools import product
+from typing import TYPE_CHECKING
 
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout
+from autoshard.mesh import Mesh
 from autoshard.strategies.base import (
     Context,
+    Lowering,
     Strategy,
     Unclaimed,
     make,
-    register,
     replicated_fallback,
 )
 from autoshard.strategies.linear import _layout, _roles, _valid
+from autoshard.strategies.registry import register
 from autoshard.tracing.trace import argument
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
 
 
-@register(*CONVOLUTIONS)
+def _own_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """A grouped convolution over split channels convolves only this rank's groups."""
+    x, weight, bias, stride, padding, dilation, groups = (list(node.args) + [None, 1, 0, 1, 1])[:7]
+    groups = node.kwargs.get("groups", groups)
+    local = local_groups(groups, placed.strategy.inputs[0], mesh)
+    node.args = (x, weight, bias, stride, padding, dilation, local)
+    node.kwargs = {}
+
+
+CONV_GROUPS = Lowering("conv_groups", _own_groups)
+
+
+@register(*CONVOLUTIONS, lowerings=(CONV_GROUPS,))
 def convolution(ctx: Context) -> list[Strategy]:
     x_nd, w_nd = len(ctx.shape(0)), len(ctx.shape(1))
     if x_nd != w_nd:
@@ -119,7 +138,7 @@ def _grouped(ctx: Context, groups: int) -> list[Strategy]:
         w = _layout(nd, [(0, channels)]).normalized(mesh)
         inputs = [x, w] + [_layout(1, [(0, channels)]).normalized(mesh)] * (len(ctx.inputs) - 2)
         detail = f"batch={','.join(batch) or '-'} groups={','.join(channels) or '-'}"
-        candidates.append(make(ctx.family, inputs, x, lowering="conv_groups", detail=detail))
+        candidates.append(make(ctx.family, inputs, x, lowering=CONV_GROUPS, detail=detail))
     return candidates
 
 

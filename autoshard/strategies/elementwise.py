@@ -3,8 +3,8 @@ input like the ones in `pointwise.py` (every argument acts element by element)."
 
 from torch.ops import aten
 
-from autoshard.strategies.base import register
 from autoshard.strategies.pointwise import follow
+from autoshard.strategies.registry import register
 
 ELEMENTWISE = (
     aten.where.ScalarOther,

@@ -13,12 +13,46 @@ and the vocabulary-parallel one shifts the index into the rank's own rows.
 from __future__ import annotations
 
 from itertools import permutations
+from typing import TYPE_CHECKING
 
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.registry import itemsize, numel, register
 from autoshard.tracing.trace import argument
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
+
+
+def _keeps_indices(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The indices (the weight is a parameter)."""
+    return Saved((1,))
+
+
+def _vocab_parallel(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    weight, ids = node.args[:2]
+    padding_idx = argument(node, "padding_idx")
+    node.target = ops.vocab_embedding
+    node.args = (weight, ids)
+    node.kwargs = {
+        "vocab_size": weight.meta["val"].shape[0],
+        "vocab_axes": placed.strategy.inputs[0].dims[0],
+        "padding_idx": padding_idx,
+    }
+
+
+def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.ops.vocab_embedding` keeps the local indices and the float mask
+    of the ids this rank holds."""
+    return Saved(extra_bytes=numel(in_shapes[1]) * (8 + itemsize(node)))
+
+
+VOCAB_EMBEDDING = Lowering("vocab_embedding", _vocab_parallel, saved=_vocab_parallel_saved)
 
 
 def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
@@ -34,7 +68,7 @@ def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
     return [tuple(d) for d in dims]
 
 
-@register(aten.embedding.default)
+@register(aten.embedding.default, saved=_keeps_indices, lowerings=(VOCAB_EMBEDDING,))
 def embedding(ctx: Context) -> list[Strategy]:
     # Both scale a row's gradient by how often the batch uses it, which a rank that
     # sees only part of the batch or of the table cannot count.
@@ -61,7 +95,7 @@ def embedding(ctx: Context) -> list[Strategy]:
                 [table, rep_ids],
                 out,
                 stored,
-                lowering="vocab_embedding" if table.dims[0] else None,
+                lowering=VOCAB_EMBEDDING if table.dims[0] else None,
                 detail=f"vocabulary over {','.join(table.dims[0]) or '-'}",
             )
         )

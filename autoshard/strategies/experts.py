@@ -16,8 +16,9 @@ from __future__ import annotations
 from itertools import permutations
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make, register, replicated_fallback
+from autoshard.strategies.base import Context, Strategy, make, replicated_fallback
 from autoshard.strategies.linear import _valid
+from autoshard.strategies.registry import register
 from autoshard.tracing.experts import grouped_mm_nt
 
 

@@ -16,11 +16,19 @@ autoshard refuses it (`StrategyError`) rather than compute it wrongly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from torch import fx
 from torch.ops import aten
 
 from autoshard.errors import StrategyError
-from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.mesh import Mesh
+from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.registry import register
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 IN_PLACE = (
     aten.add_.Tensor,
@@ -48,7 +56,24 @@ def _is_view(node) -> bool:
     return node.op == "call_function" and any(r.alias_info is not None for r in returns)
 
 
-@register(*IN_PLACE)
+def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """An in-place op as its functional twin; the readers of its first operand that
+    come after it read its result instead, as they read the updated tensor before."""
+    updated = node.args[0]
+    later, after = [], node.next
+    while after.op != "root":
+        if updated in after.all_input_nodes:
+            later.append(after)
+        after = after.next
+    for user in later:
+        user.replace_input_with(updated, node)
+    node.target = out_of_place(node.target)
+
+
+OUT_OF_PLACE = Lowering("out_of_place", _functional)
+
+
+@register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     if _is_view(target):
@@ -59,5 +84,5 @@ def in_place(ctx: Context) -> list[Strategy]:
         )
     out = ctx.layout(0)
     inputs = [out] + [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(1, len(ctx.inputs))]
-    lowering = "out_of_place" if target.op == "call_function" else None
+    lowering = OUT_OF_PLACE if target.op == "call_function" else None
     return [make("follow", inputs, out, lowering=lowering, detail="in place")]

@@ -24,21 +24,57 @@ candidate, so consecutive linears swap K and N where that saves a collective.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from itertools import permutations, product
 
+import sympy
 from torch.ops import aten
 
+from autoshard.formula import Formula
 from autoshard.layout import Layout
 from autoshard.strategies.base import (
     Context,
+    Saved,
     Strategy,
     Unclaimed,
     make,
-    register,
     replicated_fallback,
 )
 from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.registry import numel, register
 from autoshard.tracing.trace import argument
+
+M, K, N = sympy.symbols("M K N", positive=True, integer=True)
+MATMUL_FLOPS = Formula(2 * M * K * N, M, K, N)
+
+
+@dataclass(frozen=True)
+class Product:
+    """The cost of a matrix product whose left operand is tensor input `left` and
+    right operand the next one (addmm(bias, x, w): left = 1)."""
+
+    left: int
+
+    def flops(self, node, in_shapes, out_shape) -> float:
+        """2·M·K·N on the local shapes."""
+        k = in_shapes[self.left][-1]
+        cols = out_shape[-1] if out_shape else 1
+        return MATMUL_FLOPS(numel(out_shape) // cols, k, cols)
+
+    def backward(self, node, needs_grad) -> float:
+        """One gradient product per matrix operand that needs a gradient (a linear: 2×
+        with the input's gradient, 1× for a first layer whose input needs none)."""
+        return float(sum(needs_grad[self.left : self.left + 2]))
+
+    def saved(self, node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+        """Each matrix operand, if the other one needs a gradient (a linear keeps its
+        input for the weight's gradient and its weight for the input's)."""
+        pairs = ((self.left, self.left + 1), (self.left + 1, self.left))
+        return Saved(tuple(i for i, other in pairs if needs_grad[other]))
+
+    def facts(self) -> dict:
+        """The registry's keywords for such a product."""
+        return {"flops": self.flops, "backward": self.backward, "saved": self.saved}
 
 
 def _layout(ndim: int, placed: list[tuple[int, tuple[str, ...]]], partial=()) -> Layout:
@@ -171,13 +207,13 @@ def _valid(shapes, out_shape, mesh, candidates: list[Strategy]) -> list[Strategy
     return out
 
 
-@register(aten.linear.default)
+@register(aten.linear.default, **Product(0).facts())
 def linear(ctx: Context) -> list[Strategy]:
     bias = 2 if len(ctx.inputs) == 3 else None
     return matmul_candidates(ctx, x=0, w=1, bias=bias, w_out_dim=0, w_in_dim=1)
 
 
-@register(aten.addmm.default)
+@register(aten.addmm.default, **Product(1).facts())
 def addmm(ctx: Context) -> list[Strategy]:
     # addmm(bias, x, w): GPT-2's Conv1D, W stored [H, O]
     for name in ("beta", "alpha"):  # the bias is added after the collectives, unscaled
@@ -186,7 +222,7 @@ def addmm(ctx: Context) -> list[Strategy]:
     return matmul_candidates(ctx, x=1, w=2, bias=0, w_out_dim=1, w_in_dim=0)
 
 
-@register(aten.mm.default, aten.matmul.default, aten.bmm.default)
+@register(aten.mm.default, aten.matmul.default, aten.bmm.default, **Product(0).facts())
 def matmul(ctx: Context) -> list[Strategy]:
     """``X @ W`` with W a 2-D parameter is a layer; any other product is of two
     activations (`activation_product`)."""

@@ -10,14 +10,60 @@ are not claimed: those calls run replicated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
-from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
-from autoshard.tracing.trace import argument
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.registry import itemsize, normalizing_flops, numel, register
+from autoshard.tracing.trace import argument, tensor_inputs
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 
-@register(aten.cross_entropy_loss.default)
+def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The log-softmax of the logits and the targets."""
+    return Saved((1,), extra_bytes=numel(in_shapes[0]) * itemsize(tensor_inputs(node)[0]))
+
+
+def _vocab_parallel(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    logits, target = node.args[:2]
+    reduction, ignore_index = argument(node, "reduction"), argument(node, "ignore_index")
+    tokens, vocab = placed.strategy.inputs[0].dims
+    node.target = ops.cross_entropy
+    node.args = (logits, target)
+    node.kwargs = {
+        "vocab_size": logits.meta["val"].shape[-1],
+        "vocab_axes": vocab,
+        "token_axes": tokens,
+        "node": node.name,
+        "ignore_index": ignore_index,
+        "reduction": reduction,
+    }
+
+
+def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.ops.cross_entropy` keeps the local softmax and per row the
+    target's index (int64) and two bool masks."""
+    logits, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
+    rows = numel(in_shapes[0][:-1])
+    return Saved(extra_bytes=logits * item + rows * (8 + 2) + item)
+
+
+CROSS_ENTROPY = Lowering("cross_entropy", _vocab_parallel, saved=_vocab_parallel_saved)
+
+
+@register(
+    aten.cross_entropy_loss.default,
+    flops=normalizing_flops,
+    saved=_native_saved,
+    lowerings=(CROSS_ENTROPY,),
+)
 def cross_entropy(ctx: Context) -> list[Strategy]:
     node = ctx.node
     reduction = argument(node, "reduction")
@@ -49,7 +95,7 @@ def cross_entropy(ctx: Context) -> list[Strategy]:
             "vocab-parallel",
             [logits, target],
             Layout(()),
-            lowering="cross_entropy",
+            lowering=CROSS_ENTROPY,
             internal=internal,
             detail=f"vocabulary over {','.join(vocab) or '-'}",
         )

@@ -4,15 +4,68 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout, Step
-from autoshard.strategies.base import Context, Strategy, make, register
-from autoshard.tracing.trace import argument
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
+from autoshard.strategies.registry import (
+    STATISTIC_BYTES,
+    itemsize,
+    normalizing_flops,
+    numel,
+    register,
+)
+from autoshard.tracing.trace import argument, tensor_inputs
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 
-@register(aten.layer_norm.default)
+def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The native kernels keep the input and fp32 statistics per row: mean and rstd
+    (layer_norm), rstd (rms_norm)."""
+    rows = numel(in_shapes[0][: -len(node.args[1])])
+    statistics = 2 if node.target == aten.layer_norm.default else 1
+    return Saved((0,), extra_bytes=rows * statistics * STATISTIC_BYTES)
+
+
+def _sharded_features(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    x = node.args[0]
+    weight, bias, eps = (argument(node, name) for name in ("weight", "bias", "eps"))
+    k = len(argument(node, "normalized_shape"))
+    axes = tuple(a for dim in placed.strategy.inputs[0].dims[-k:] for a in dim)
+    node.target = ops.layer_norm
+    node.args = (x, weight, bias, eps)
+    node.kwargs = {"normalized_ndim": k, "axes": axes, "node": node.name}
+
+
+def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.ops.layer_norm` keeps the centered input, rstd per row (in the
+    input's dtype), the normalized input (for the weight's gradient) and the weight
+    (for the input's)."""
+    inputs = tensor_inputs(node)
+    x, item = numel(in_shapes[0]), itemsize(inputs[0])
+    rows = numel(in_shapes[0][: -len(node.args[1])])
+    weight = (1,) if len(inputs) > 1 and needs_grad[0] else ()
+    return Saved(weight, extra_bytes=(2 * x + rows) * item)
+
+
+# over features split across mesh axes: statistics all-reduced over them
+LAYER_NORM = Lowering("layer_norm", _sharded_features, saved=_sharded_features_saved)
+register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)()
+
+
+@register(
+    aten.layer_norm.default,
+    flops=normalizing_flops,
+    saved=_native_saved,
+    lowerings=(LAYER_NORM,),
+)
 def layer_norm(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     k = len(argument(ctx.node, "normalized_shape"))
@@ -33,7 +86,7 @@ def layer_norm(ctx: Context) -> list[Strategy]:
                 "follow",
                 [lay, *affine],
                 lay,
-                lowering="layer_norm" if stat_axes else None,
+                lowering=LAYER_NORM if stat_axes else None,
                 internal=statistics,
                 detail=f"statistics all-reduced over {','.join(stat_axes)}" if stat_axes else "",
             )

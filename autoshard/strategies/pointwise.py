@@ -6,51 +6,61 @@ its gradient then comes back partial, which the planner reduces.
 
 from __future__ import annotations
 
+import warnings
+from typing import TYPE_CHECKING
+
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
+from autoshard.strategies.registry import itemsize, keeps_input, keeps_output, numel, register
+from autoshard.tracing.modes import FOLLOWS_MODE
+from autoshard.tracing.trace import tensor_inputs
 
-POINTWISE = (
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
+
+# Grouped by what autograd keeps for their backward (as torch's derivatives.yaml).
+OTHERS = (  # counted as keeping nothing (add, sub, neg, casts and copies keep nothing)
     aten.add.Tensor,
     aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.div.Tensor,
     aten.add.Scalar,
     aten.sub.Scalar,
     aten.mul.Scalar,
     aten.div.Scalar,
     aten.rsub.Scalar,
-    aten.pow.Tensor_Scalar,
     aten.neg.default,
-    aten.exp.default,
-    aten.log.default,
-    aten.sqrt.default,
-    aten.rsqrt.default,
-    aten.abs.default,
-    aten.gelu.default,
-    aten.relu.default,
-    aten.tanh.default,
-    aten.sigmoid.default,
-    aten.silu.default,
     aten.clone.default,
     aten.contiguous.default,
-    aten.alias.default,
     aten.to.dtype,
     aten._to_copy.default,
-    aten.where.self,
-    aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor,
     aten.cos.default,
     aten.sin.default,
     aten.to.dtype_layout,
     aten.to.device,
-    aten.detach.default,
     aten.maximum.default,
     aten.minimum.default,
     aten.clamp.default,
     aten.square.default,
     aten.reciprocal.default,
+)
+KEEP_OUTPUT = (
+    aten.exp.default,
+    aten.sqrt.default,
+    aten.rsqrt.default,
+    aten.relu.default,
+    aten.tanh.default,
+    aten.sigmoid.default,
+)
+KEEP_INPUT = (
+    aten.pow.Tensor_Scalar,
+    aten.log.default,
+    aten.abs.default,
+    aten.gelu.default,
+    aten.silu.default,
 )
 
 
@@ -65,7 +75,7 @@ def aligned(out: Layout, shape, out_shape) -> Layout:
     )
 
 
-def follow(ctx: Context, lowering: str | None = None) -> list[Strategy]:
+def follow(ctx: Context, lowering: Lowering | None = None) -> list[Strategy]:
     """The output laid out as the operand of its own shape (else the one of most dims)."""
     shapes = [ctx.shape(i) for i in range(len(ctx.inputs))]
     same = [i for i, shape in enumerate(shapes) if shape == ctx.out_shape]
@@ -75,7 +85,34 @@ def follow(ctx: Context, lowering: str | None = None) -> list[Strategy]:
     return [make("follow", inputs, out, lowering=lowering)]
 
 
-register(*POINTWISE)(follow)
+def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """a · b keeps each operand for the other's gradient."""
+    if len(tensor_inputs(node)) != 2:
+        return Saved()
+    return Saved(tuple(i for i, other in ((0, 1), (1, 0)) if needs_grad[other]))
+
+
+def _keeps_divisor(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """a / b keeps b, and a too if b needs a gradient."""
+    if len(tensor_inputs(node)) != 2:
+        return Saved()
+    return Saved((0, 1) if needs_grad[1] else (1,))
+
+
+def _keeps_mask(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """masked_fill(x, mask, value) keeps the mask."""
+    return Saved((1,))
+
+
+register(*OTHERS)(follow)
+register(*KEEP_OUTPUT, saved=keeps_output)(follow)
+register(*KEEP_INPUT, saved=keeps_input)(follow)
+register(aten.mul.Tensor, saved=_keeps_operands)(follow)
+register(aten.div.Tensor, saved=_keeps_divisor)(follow)
+register(aten.where.self, saved=keeps_input)(follow)  # the condition
+register(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saved=_keeps_mask)(follow)
+register(aten.alias.default, free=True, aliases=True)(follow)
+register(aten.detach.default, free=True)(follow)
 
 
 @register(aten.type_as.default)
@@ -86,8 +123,32 @@ def type_as(ctx: Context) -> list[Strategy]:
     return [make("follow", [x, *(ctx.layout(i) for i in range(1, len(ctx.inputs)))], x)]
 
 
-@register(aten.dropout.default)
+def _rewrite_dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    if node.meta.get(FOLLOWS_MODE):  # on in train mode only: read the program's flag
+        with node.graph.inserting_before(node), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fx warns of get_attr on a plain attribute
+            training = node.graph.get_attr("training")
+        node.args = (node.args[0], node.args[1], training)
+    node.target = ops.dropout
+    node.kwargs = {"shape": placed.shape, "dims": placed.strategy.stored.dims}
+
+
+DROPOUT = Lowering("dropout", _rewrite_dropout)
+
+
+def _dropout_mask(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """A mask of the output's size, `mask_itemsize` bytes per element, nothing when p = 0
+    or not training. torch's native dropout keeps a bool mask (1 byte); autoshard's
+    lowering multiplies by a noise tensor of the activation's dtype, the default."""
+    p, train = (list(node.args[1:]) + [0.5, True])[:2]
+    if p == 0 or not train:
+        return Saved()
+    mask = mask_itemsize if mask_itemsize is not None else itemsize(node)
+    return Saved(extra_bytes=numel(out_shape) * mask)
+
+
+@register(aten.dropout.default, saved=_dropout_mask, lowerings=(DROPOUT,))
 def dropout(ctx: Context) -> list[Strategy]:
     # The mask is drawn for the global shape and sliced, so a sharded model drops
     # exactly what the serial model drops from the same random state.
-    return follow(ctx, lowering="dropout")
+    return follow(ctx, lowering=DROPOUT)

@@ -3,14 +3,35 @@ all-reduced by the node itself so that nothing downstream sees a partial value."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Strategy, make
+from autoshard.strategies.registry import register
 from autoshard.tracing.trace import argument
 
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
-@register(aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim)
+
+def _share_of_mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """A mean over sharded dims as this rank's share of the global mean."""
+    scale = 1 / mesh.count(placed.strategy.output.partial)
+    node.target = ops.mean
+    node.kwargs = {**node.kwargs, "scale": scale}
+
+
+MEAN = Lowering("mean", _share_of_mean)
+
+
+@register(
+    aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, lowerings=(MEAN,)
+)
 def reduction(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(ctx.shape(0))
@@ -29,6 +50,6 @@ def reduction(ctx: Context) -> list[Strategy]:
             [x],
             Layout(dims, partial),
             Layout(dims),
-            lowering="mean" if is_mean and partial else None,
+            lowering=MEAN if is_mean and partial else None,
         )
     ]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, Unclaimed, make, register
+from autoshard.strategies.base import Context, Strategy, Unclaimed, make
+from autoshard.strategies.registry import register
 from autoshard.tracing.trace import argument
 
 

@@ -5,7 +5,8 @@ part they need for free."""
 
 from torch.ops import aten
 
-from autoshard.strategies.base import register, replicated_fallback
+from autoshard.strategies.base import replicated_fallback
+from autoshard.strategies.registry import register
 
 REPLICATED = (
     aten.arange.default,

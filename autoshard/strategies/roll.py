@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Strategy, make
+from autoshard.strategies.registry import register
 from autoshard.tracing.trace import argument
 
 

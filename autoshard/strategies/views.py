@@ -13,11 +13,19 @@ when the head count divides:
 
 from __future__ import annotations
 
+import operator
+from typing import TYPE_CHECKING
+
+from torch import fx
 from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
-from autoshard.strategies.base import Context, Strategy, make, register
+from autoshard.strategies.base import Context, Lowering, Strategy, make
+from autoshard.strategies.registry import register
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 
 def _groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]]:
@@ -93,23 +101,65 @@ def _strides(shape, group: list[int]) -> dict[int, int]:
     return strides
 
 
-@register(
+_TO_LOCAL_SHAPE = (
     aten.view.default,
     aten.reshape.default,
     aten._unsafe_view.default,
-    aten.unsqueeze.default,
+    aten.squeeze.default,
     aten.squeeze.dim,
     aten.squeeze.dims,
-    aten.squeeze.default,
-    aten.flatten.using_ints,
-    aten.unflatten.int,
 )
+
+
+def _local_shape(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """Views and expands name their output shape: give them the local one."""
+    local = list(placed.strategy.stored.local_shape(placed.shape, mesh))
+    if node.target == aten.unflatten.int:
+        x, dim, sizes = node.args
+        dim %= len(placed.shape) - len(sizes) + 1
+        node.args = (x, dim, local[dim : dim + len(sizes)])
+    elif node.target in _TO_LOCAL_SHAPE:
+        # a shard may not be laid out in memory as the global tensor was: reshape, not
+        # view; and a squeeze would also drop a dim that is 1 only on this rank
+        node.target = aten.reshape.default
+        node.args = (node.args[0], local)
+    elif node.target == aten.expand.default:
+        node.args = (node.args[0], local, *node.args[2:])
+
+
+SHAPE = Lowering("shape", _local_shape)
+
+
 def reshape(ctx: Context) -> list[Strategy]:
     need, out = reshape_layouts(ctx.layout(0), ctx.shape(0), ctx.out_shape, ctx.mesh)
-    return [make("follow", [need], out, lowering="shape")]
+    return [make("follow", [need], out, lowering=SHAPE)]
 
 
-@register(aten.transpose.int, aten.t.default, aten.permute.default)
+# Views launch no kernel and move no data (`free`); some of them return a tensor
+# that shares its input's storage element for element (`aliases`), which the memory
+# model counts once.
+register(
+    aten.view.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    free=True,
+    aliases=True,
+    lowerings=(SHAPE,),
+)(reshape)
+register(
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.squeeze.dims,
+    aten.flatten.using_ints,
+    aten.unflatten.int,
+    free=True,
+    lowerings=(SHAPE,),
+)(reshape)
+register(aten.squeeze.default, aliases=True, lowerings=(SHAPE,))(reshape)  # priced as a kernel
+register(operator.getitem, free=True)()  # one output of split, chunk, topk: the planner's
+
+
+@register(aten.transpose.int, aten.t.default, aten.permute.default, free=True, aliases=True)
 def permute(ctx: Context) -> list[Strategy]:
     x = Layout(ctx.layout(0).dims)  # a pending sum is reduced first, as by every view
     nd = len(ctx.shape(0))
@@ -122,7 +172,7 @@ def permute(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], Layout(tuple(x.dims[d] for d in order)))]
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, free=True, lowerings=(SHAPE,))
 def expand(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     in_shape, out_shape = ctx.shape(0), ctx.out_shape
@@ -131,7 +181,7 @@ def expand(ctx: Context) -> list[Strategy]:
         x.dims[d] if in_shape[d] == out_shape[d + offset] else () for d in range(len(in_shape))
     ]
     need = Layout(tuple(dims[offset:]))
-    return [make("follow", [need], Layout(tuple(dims)), lowering="shape")]
+    return [make("follow", [need], Layout(tuple(dims)), lowering=SHAPE)]
 
 
 def _dim_arg(ctx: Context, position: int, default: int = 0) -> int:
@@ -144,20 +194,22 @@ def _unshard(layout: Layout, dim: int) -> Layout:
     return Layout(tuple(() if d == dim else axes for d, axes in enumerate(layout.dims)))
 
 
-@register(aten.slice.Tensor, aten.narrow.default)
 def slice_(ctx: Context) -> list[Strategy]:
     x = _unshard(ctx.layout(0), _dim_arg(ctx, 1))
     return [make("follow", [x], x)]
 
 
-@register(aten.select.int)
+register(aten.slice.Tensor, free=True)(slice_)
+register(aten.narrow.default)(slice_)  # priced as a kernel
+
+
+@register(aten.select.int, free=True)
 def select(ctx: Context) -> list[Strategy]:
     dim = _dim_arg(ctx, 1)
     x = _unshard(ctx.layout(0), dim)
     return [make("follow", [x], Layout(x.dims[:dim] + x.dims[dim + 1 :]))]
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
 def split(ctx: Context) -> list[Strategy]:
     dim = _dim_arg(ctx, 2 if ctx.node.target != aten.unbind.int else 1)
     x = _unshard(ctx.layout(0), dim)
@@ -167,6 +219,10 @@ def split(ctx: Context) -> list[Strategy]:
     else:
         piece = x
     return [make("follow", [x], piece, outputs=(piece,) * pieces)]
+
+
+register(aten.split.Tensor, aten.split_with_sizes.default, free=True)(split)
+register(aten.chunk.default, aten.unbind.int)(split)  # priced as kernels
 
 
 @register(aten.cat.default)
