@@ -225,11 +225,14 @@ def _detached(step: _Step) -> _Step:
 
 
 def _serial_runs(model, inputs, steps: int, lr: float, torch_optimizer):
-    """The fp32 serial program and its float64 copy trained alike: (steps, state) of each."""
+    """Copies of `model`, fp32 and float64, trained alike: (steps, state) of each. Copies,
+    as the ranks' parallel program is of their own model (a model whose copy differs
+    is then caught: tests/models.py `perturbed_mlp`)."""
+    serial = copy.deepcopy(model)
     reference, reference_inputs = _float64(model, inputs)
     runs = []
     for program, args, mode in (
-        (model, inputs, None),
+        (serial, inputs, None),
         (reference, reference_inputs, _Float64Kernels()),
     ):
         args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in args)
