@@ -7,7 +7,7 @@ print(parallel.code)        # the rewritten program, collectives included
 """
 
 from autoshard import checkpoint
-from autoshard.api import ParallelModule, parallelize, plan
+from autoshard.api import Compiled, ParallelModule, compile, parallelize, plan
 from autoshard.clip import clip_grad_norm_
 from autoshard.cost.hardware import Hardware
 from autoshard.errors import (
@@ -35,6 +35,7 @@ __all__ = [
     "HardwareError",
     "CommLog",
     "CommRecord",
+    "Compiled",
     "InputError",
     "Layout",
     "Mesh",
@@ -49,6 +50,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "comm_log",
+    "compile",
     "parallelize",
     "plan",
 ]

@@ -2,12 +2,18 @@
 
 plan = autoshard.plan(model, (2, 2, 2), (x,))          # no processes needed
 parallel = autoshard.parallelize(model, mesh, (x,))     # on every rank of `mesh`
+
+With many ranks, trace, plan and emit once and send the result to every rank:
+
+compiled = autoshard.compile(model, (2, 2, 2), (x,))   # picklable, no weights inside
+parallel = autoshard.parallelize(model, mesh, (x,), compiled=compiled)
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +35,8 @@ from autoshard.planning.verify import check_plan, fingerprint
 from autoshard.runtime import agreement, comm
 from autoshard.runtime.agreement import checksum, ranks_text
 from autoshard.tracing.modes import trace_modes
-from autoshard.tracing.trace import Traced, bind
+from autoshard.tracing.portable import Portable
+from autoshard.tracing.trace import InputSpec, Traced, bind, forward_signature
 from passes import ShardParameters, emit
 
 
@@ -76,7 +83,126 @@ def trace_and_plan(
     """`plan`, keeping the traced graph the plan is for (what `passes.emit` needs to
     write a rank's program, as `autoshard show` does)."""
     traced = trace_modes(model, example_inputs)
-    return traced, _solved(traced, Mesh.from_shape(mesh_shape), options)
+    return traced, plan_traced(traced, Mesh.from_shape(mesh_shape), options)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A model traced, planned and emitted once, for every rank: what `parallelize`
+    needs besides the model's own weights. It pickles (no weights inside), so one
+    process can make it and send it to the others, which then only cut their shards:
+
+        compiled = autoshard.compile(model, (2, 2, 2), (x,))   # once, anywhere
+        parallel = autoshard.parallelize(model, mesh, (x,), compiled=compiled)  # every rank
+
+    `program` is the rank-independent program (collectives inserted, ops localized),
+    its parameters and buffers left out; `weights` holds what it expects of each of
+    the model's tensors (by FQN: shape, dtype, whether a parameter), `constants` the
+    tensors the trace made that the model does not hold (lifted constants)."""
+
+    plan: Plan
+    program: Portable
+    weights: dict[str, tuple[tuple[int, ...], torch.dtype, bool]]
+    constants: dict[str, torch.Tensor]
+    inputs: tuple[InputSpec, ...]
+    out_spec: pytree.TreeSpec
+    aliases: dict[str, tuple[str, ...]]
+    transient: frozenset[str]
+    training: bool
+    refused_modes: dict[bool, str]
+    planned_with_grad: dict[str, bool]
+
+    @classmethod
+    def emitted(cls, traced: Traced, plan: Plan, model: torch.nn.Module | None = None) -> Compiled:
+        """Emit `traced`'s program for `plan`. The tensors `model` holds (by FQN, the same
+        objects the trace saw) are left out of the result; every other one is kept."""
+        own = _model_tensors(model) if model is not None else {}
+        held = {fqn for fqn, t in traced.parameters.items() if own.get(fqn) is t}
+        return cls(
+            plan=plan,
+            program=Portable.of(emit(traced, plan), leave_out=set(traced.parameters)),
+            weights={
+                fqn: (tuple(t.shape), t.dtype, isinstance(t, torch.nn.Parameter))
+                for fqn, t in traced.parameters.items()
+                if fqn in held
+            },
+            constants={f: t for f, t in traced.parameters.items() if f not in held},
+            inputs=traced.inputs,
+            out_spec=traced.out_spec,
+            aliases=traced.aliases,
+            transient=traced.transient,
+            training=traced.training,
+            refused_modes=traced.refused_modes,
+            planned_with_grad=inputs_planned_with_grad(traced, plan),
+        )
+
+    def parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every tensor the program reads, by FQN: `model`'s own (InputError if it lacks
+        one or holds it at another shape or dtype) and the constants."""
+        own = _model_tensors(model)
+        found = {}
+        for fqn, (shape, dtype, is_parameter) in self.weights.items():
+            tensor = own.get(fqn)
+            kind = "parameter" if is_parameter else "buffer"
+            if tensor is None:
+                raise InputError(
+                    f"the model has no {kind} {fqn!r}, which the compiled program reads: "
+                    "compile from the same model (class and configuration) as the one you pass"
+                )
+            if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+                raise InputError(
+                    f"{kind} {fqn!r} is {str(tensor.dtype).removeprefix('torch.')}"
+                    f"{list(tensor.shape)}; the program was compiled for "
+                    f"{str(dtype).removeprefix('torch.')}{list(shape)}: compile from the "
+                    "same model (class, configuration and dtype) as the one you pass"
+                )
+            found[fqn] = tensor
+        return {**found, **self.constants}
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def compile(
+    model: torch.nn.Module,
+    mesh_shape,
+    example_inputs: tuple,
+    *,
+    strategy=None,
+    memory_budget: float | None = None,
+    hardware: Hardware | str | None = None,
+    strategy_space: str = "3d",
+    optimizer: str | float = "adam",
+    plan: Plan | None = None,
+) -> Compiled:
+    """Trace, plan and emit `model` for a mesh of `mesh_shape`, with no process group:
+    the picklable `Compiled` that `parallelize(..., compiled=...)` applies on every
+    rank without tracing or planning there. The keywords are `autoshard.plan`'s;
+    `plan` applies a saved plan instead (checked against this model)."""
+    traced = trace_modes(model, example_inputs)
+    options = PlanOptions.from_user(
+        strategy=strategy,
+        memory_budget=memory_budget,
+        hardware=hardware,
+        strategy_space=strategy_space,
+        optimizer=optimizer,
+    )
+    return Compiled.emitted(
+        traced, _applied(plan, traced, Mesh.from_shape(mesh_shape), options), model
+    )
+
+
+def _applied(plan: Plan | None, traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+    """`plan` checked against `traced` and `mesh`, or a new one solved for them."""
+    if plan is None:
+        return plan_traced(traced, mesh, options)
+    if plan.mesh != mesh:
+        raise MeshError(f"the plan is for mesh {plan.mesh}, not {mesh}; plan again")
+    check_plan(plan, traced)
+    return plan
 
 
 def parallelize(
@@ -90,6 +216,7 @@ def parallelize(
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
     plan: Plan | None = None,
+    compiled: Compiled | None = None,
     check: bool | str = True,
 ) -> ParallelModule:
     """Rewrite `model` into the program this rank runs on `mesh` (a DeviceMesh).
@@ -97,18 +224,22 @@ def parallelize(
     Call it on every rank with the same model, weights and full global inputs.
     The keywords are `autoshard.plan`'s; `plan` applies a saved plan
     (`Plan.load`) without solving again, once it is checked against this model
-    and mesh. `check` compares, across ranks, a checksum of every example input
-    and every weight together with the plan's hash, in one collective, and
-    names the ranks and tensors that differ (True, the default); ``"always"``
-    also compares every call's inputs (one small collective per call); False
-    compares the plan's hash only.
+    and mesh. `compiled` (from `autoshard.compile`, made once and sent to every
+    rank) applies a program already traced, planned and emitted: this rank only
+    checks the model's weights against it (names, shapes, dtypes) and cuts its
+    shards, so the model's code must be what it was compiled from. `check`
+    compares, across ranks, a checksum of every example input and every weight
+    together with the plan's hash, in one collective, and names the ranks and
+    tensors that differ (True, the default); ``"always"`` also compares every
+    call's inputs (one small collective per call); False compares the plan's
+    hash only.
     """
     if check not in (True, False, "always"):
         raise StrategyError(f"check={check!r}: give True (the default), False or 'always'")
     _check_mesh(mesh)
     layout = Mesh.from_device_mesh(mesh)
-    traced = trace_modes(model, example_inputs)
-    if plan is None:
+    if compiled is None:
+        traced = trace_modes(model, example_inputs)
         options = PlanOptions.from_user(
             strategy=strategy,
             memory_budget=memory_budget,
@@ -116,35 +247,40 @@ def parallelize(
             strategy_space=strategy_space,
             optimizer=optimizer,
         )
-        plan = _solved(traced, layout, options)
-    elif plan.mesh != layout:
-        raise MeshError(f"the plan is for mesh {plan.mesh}, not {layout}; plan again")
-    else:
-        check_plan(plan, traced)
-    _check_same_on_every_rank(plan, traced, example_inputs if check else None)
-    program = emit(traced, plan)
+        compiled = Compiled.emitted(traced, _applied(plan, traced, layout, options), model)
+    elif compiled.plan.mesh != layout:
+        raise MeshError(
+            f"the program was compiled for mesh {compiled.plan.mesh}, not {layout}; compile again"
+        )
+    parameters = compiled.parameters(model)
+    _check_same_on_every_rank(compiled, parameters, example_inputs if check else None)
     bound = comm.BoundMesh(mesh, layout)
     with comm.bound(bound):
-        program = ShardParameters(plan, traced.parameters)(program)
-    return ParallelModule(program, plan, traced, bound, model, check_calls=check == "always")
+        program = ShardParameters(compiled.plan, parameters)(compiled.program.build(parameters))
+    return ParallelModule(program, compiled, bound, model, check_calls=check == "always")
 
 
-def _solved(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+def plan_traced(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
+    """The plan for a model already traced (`trace_modes`), stamped with what the graph
+    is made of: `plan` without tracing again, to plan one trace under several settings
+    and compile it with `Compiled.emitted`."""
     plan = share_collectives(traced, plan_model(traced, mesh, options))
     plan.cost = estimate(traced, plan, options.hardware, options.optimizer)
     plan.graph = fingerprint(traced)
     return plan
 
 
-def _check_same_on_every_rank(plan: Plan, traced: Traced, example_inputs) -> None:
+def _check_same_on_every_rank(
+    compiled: Compiled, parameters: dict[str, torch.Tensor], example_inputs
+) -> None:
     """Every rank must run the same plan on the same inputs and weights: compare the
     plan's hash and, unless `example_inputs` is None, a checksum of every example
-    input and weight across the world, in one collective."""
-    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
+    input and weight (`parameters`) across the world, in one collective."""
+    digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()
     inputs, weights = {}, {}
     if example_inputs is not None:
-        inputs = {spec.name: checksum(t) for spec, t in zip(traced.inputs, example_inputs)}
-        weights = {fqn: checksum(t) for fqn, t in traced.parameters.items()}
+        inputs = {spec.name: checksum(t) for spec, t in zip(compiled.inputs, example_inputs)}
+        weights = {fqn: checksum(t) for fqn, t in parameters.items()}
     records = agreement.gathered((digest, inputs, weights))
     for name, ranks in agreement.differing(records, 1).items():
         raise InputError(
@@ -202,8 +338,7 @@ class ParallelModule(torch.nn.Module):
     def __init__(
         self,
         program: fx.GraphModule,
-        plan: Plan,
-        traced: Traced,
+        compiled: Compiled,
         mesh: comm.BoundMesh,
         model: torch.nn.Module | None = None,
         check_calls: bool = False,
@@ -211,26 +346,26 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "program", program)  # not a child: its parameters are ours
         # a model built on meta is kept (it holds no memory) to recompute its buffers
-        meta = any(t.is_meta for t in traced.parameters.values())
+        meta = model is not None and any(t.is_meta for t in _model_tensors(model).values())
         object.__setattr__(self, "_source", model if meta else None)
         self._configs = checkpoint.hf_configs(model) if model is not None else {}
-        self.plan = plan
+        self.plan = compiled.plan
         self._mesh = mesh
-        self._traced_inputs = traced.inputs
-        self._signature = traced.signature
+        self._traced_inputs = compiled.inputs
+        self._signature = forward_signature(model) if model is not None else None
         self._check_calls = check_calls
-        self._aliases = traced.aliases
-        self._transient = traced.transient
-        self._out_spec = traced.out_spec
-        self._planned_with_grad = inputs_planned_with_grad(traced, plan)
-        self._refused_modes = traced.refused_modes
+        self._aliases = compiled.aliases
+        self._transient = compiled.transient
+        self._out_spec = compiled.out_spec
+        self._planned_with_grad = compiled.planned_with_grad
+        self._refused_modes = compiled.refused_modes
         for name, child in program.named_children():
             self.add_module(name, child)
         for name, param in program.named_parameters(recurse=False):
             self.register_parameter(name, param)
         for name, buf in program.named_buffers(recurse=False):
             self.register_buffer(name, buf)
-        self.train(traced.training)
+        self.train(compiled.training)
 
     @property
     def code(self) -> str:

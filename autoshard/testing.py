@@ -7,13 +7,15 @@
 
     assert_equivalent(mlp, (2, 2, 2), strategy="3d")
 
-The model is planned once, here; every rank of a real gloo mesh builds it
-from the factory (same seed), runs the serial copy, a float64 copy and the
-parallel program side by side for `steps` optimizer steps (`torch_optimizer`,
-SGD by default), and compares the outputs, every parameter gradient (gathered
-with `full_grads`), the gradient of every example input that requires grad,
-and the parameters after the steps: the parallel program's error against the
-float64 copy must be of the size of the serial program's own. The loss is
+The model is traced, planned and emitted once, here (`autoshard.compile`);
+every rank of a real gloo mesh builds it from the factory (same seed), applies
+that program (`parallelize(..., compiled=...)`) and trains it for `steps`
+optimizer steps (`torch_optimizer`, SGD by default); this process trains the
+serial model and a float64 copy alike, once, and compares each rank's outputs,
+every parameter gradient (gathered with `full_grads`), the gradient of every
+example input that requires grad, and the parameters after the steps: the
+parallel program's error against the float64 copy must be of the size of the
+serial program's own. The loss is
 a fixed random weighting of the outputs, so every output element matters.
 Dropout draws the same masks in all three (same seed before each step).
 
@@ -24,6 +26,7 @@ prediction.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -33,13 +36,13 @@ from dataclasses import dataclass
 from unittest import mock
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoshard.api import parallelize
-from autoshard.api import plan as autoshard_plan
+from autoshard.api import Compiled, parallelize
+from autoshard.api import compile as compile_program
 from autoshard.factory import load_factory
-from autoshard.planning.plan import Plan
 from autoshard.runtime.ranks import shared_pool
 
 # A parallel tensor fails when its error against the float64 serial reference exceeds
@@ -133,66 +136,142 @@ def _float64(model: torch.nn.Module, inputs: tuple):
     return reference, as_double
 
 
-def _equivalence_job(
-    mesh, factory, planning: dict, steps: int, lr: float, torch_optimizer=torch.optim.SGD
-) -> list[Mismatch]:
+@dataclass
+class _Step:
+    """What one program computed in one optimizer step: its output leaves, every
+    parameter's gradient by name, and the gradient of each example input (None
+    where it needs none)."""
+
+    outputs: list
+    grads: dict
+    input_grads: list
+
+
+class _Float64Kernels(TorchFunctionMode):
+    """The float64 reference's ops that have no float64 CPU kernel, computed exactly in
+    float64 another way: ``torch._grouped_mm`` (Hugging Face's mixture-of-experts
+    products), one matrix product per group.
+
+        with _Float64Kernels():
+            reference(*inputs)   # a float64 Mixtral: no float64 kernel for its experts otherwise
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._grouped_mm and args[0].dtype == torch.float64:
+            return _grouped_mm(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    """Rows ``offs[g-1]:offs[g]`` of `a` [S, K] times ``b[g]`` [K, N], for every group g;
+    rows past the last offset are zero."""
+    if a.dim() != 2 or b.dim() != 3 or offs is None or bias is not None:
+        raise NotImplementedError(
+            f"the float64 reference computes torch._grouped_mm only for a 2-d input, 3-d "
+            f"weights and offs, with no bias; got {a.dim()}-d × {b.dim()}-d "
+            f"(offs {'given' if offs is not None else 'None'}, bias "
+            f"{'given' if bias is not None else 'None'})"
+        )
+    ends = offs.tolist()
+    pieces = [a[start:end] @ b[g] for g, (start, end) in enumerate(zip([0, *ends], ends))]
+    pieces.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[-1]))
+    out = torch.cat(pieces)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimizer, mode=None):
+    """`steps` optimizer steps of `program` on `inputs` (its forward under the
+    TorchFunctionMode `mode`, if any): what each step computed, and the state after
+    them. `grads_of()` gives the parameter gradients by name."""
+    optimizer = torch_optimizer(program.parameters(), lr=lr)
+    computed = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)  # the same dropout masks in every program
+        with mode if mode is not None else contextlib.nullcontext():
+            result = program(*inputs)
+        _loss(result).backward()
+        computed.append(_detached(_Step(_leaves(result), grads_of(), [t.grad for t in inputs])))
+        for t in inputs:
+            t.grad = None
+        optimizer.step()
+        optimizer.zero_grad()
+    return computed
+
+
+def _parallel_job(
+    mesh, factory, compiled: Compiled, steps: int, lr: float, torch_optimizer=torch.optim.SGD
+):
+    """On each rank: the parallel program's steps (gradients gathered with `full_grads`)
+    and its full state after them, for the parent to compare with the serial model."""
     if isinstance(factory, str):
         factory = load_factory(factory)
     torch.manual_seed(0)
     model, inputs = factory()
+    parallel = parallelize(model, mesh, inputs, compiled=compiled)
+    computed = _train(parallel, inputs, parallel.full_grads, steps, lr, torch_optimizer)
+    return computed, parallel.full_state_dict()
+
+
+def _detached(step: _Step) -> _Step:
+    def detach(t):
+        return t.detach() if isinstance(t, torch.Tensor) else t
+
+    return _Step(
+        [detach(t) for t in step.outputs],
+        {name: detach(g) for name, g in step.grads.items()},
+        [detach(g) for g in step.input_grads],
+    )
+
+
+def _serial_runs(model, inputs, steps: int, lr: float, torch_optimizer):
+    """Copies of `model`, fp32 and float64, trained alike: (steps, state) of each. Copies,
+    as the ranks' parallel program is of their own model (a model whose copy differs
+    is then caught: tests/models.py `perturbed_mlp`)."""
     serial = copy.deepcopy(model)
     reference, reference_inputs = _float64(model, inputs)
-    serial_inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
-    reference_inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in reference_inputs)
-    if isinstance(planning.get("plan"), str):  # planned once, in the parent
-        planning = {**planning, "plan": Plan.from_json(planning["plan"])}
-    parallel = parallelize(model, mesh, inputs, **planning)
-    programs = ((serial, serial_inputs), (reference, reference_inputs), (parallel, inputs))
-    optimizers = [torch_optimizer(m.parameters(), lr=lr) for m, _ in programs]
+    runs = []
+    for program, args, mode in (
+        (serial, inputs, None),
+        (reference, reference_inputs, _Float64Kernels()),
+    ):
+        args = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in args)
+        grads_of = lambda p=program: {n: q.grad for n, q in p.named_parameters()}
+        computed = _train(program, args, grads_of, steps, lr, torch_optimizer, mode)
+        runs.append((computed, program.state_dict()))
+    return runs
+
+
+def _compared(parallel, serial, exact, steps: int) -> list[Mismatch]:
+    """One rank's (steps, state) against the serial program's and the float64 copy's."""
     found: list[Mismatch] = []
-    for step in range(steps):
-        results = []
-        for program, args in programs:
-            torch.manual_seed(100 + step)  # the same dropout masks in every program
-            results.append(program(*args))
-        want, exact, got = (_leaves(r) for r in results)
-        if len(got) != len(want):
-            count = f"count (parallel {len(got)}, serial {len(want)})"
+    for step, (got, want, ref) in enumerate(zip(parallel[0], serial[0], exact[0])):
+        if len(got.outputs) != len(want.outputs):
+            count = f"count (parallel {len(got.outputs)}, serial {len(want.outputs)})"
             found.append(Mismatch("output", count, step, math.inf, 1.0, error=math.inf))
-        for i, (g, w, e) in enumerate(zip(got, want, exact)):
+        for i, (g, w, e) in enumerate(zip(got.outputs, want.outputs, ref.outputs)):
             found.append(_compare("output", str(i), step, g, w, e))
-        for result in results:
-            _loss(result).backward()
-        grads = parallel.full_grads()
-        exact_params = dict(reference.named_parameters())
-        for name, param in serial.named_parameters():
-            found.append(
-                _compare("grad", name, step, grads.get(name), param.grad, exact_params[name].grad)
-            )
-        for i, (t, want_in, exact_in) in enumerate(zip(inputs, serial_inputs, reference_inputs)):
-            if want_in.requires_grad:
-                name = f"input {i}"
-                found.append(_compare("grad", name, step, t.grad, want_in.grad, exact_in.grad))
-                t.grad = want_in.grad = exact_in.grad = None
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    full, exact_state = parallel.full_state_dict(), reference.state_dict()
-    for name, tensor in serial.state_dict().items():
+        for name, w in want.grads.items():
+            found.append(_compare("grad", name, step, got.grads.get(name), w, ref.grads[name]))
+        for i, (g, w, e) in enumerate(zip(got.input_grads, want.input_grads, ref.input_grads)):
+            if w is not None:
+                found.append(_compare("grad", f"input {i}", step, g, w, e))
+    full, state, exact_state = parallel[1], serial[1], exact[1]
+    for name, tensor in state.items():
         found.append(_compare("param", name, steps, full.get(name), tensor, exact_state[name]))
     return found
 
 
-def _planned_once(factory, mesh_shape, planning: dict) -> dict:
-    """`planning` with the plan made here, once, instead of on every rank (tracing and
-    solving are most of a small job's time); the ranks apply it as `plan=`."""
-    if "plan" in planning:
-        return planning
+def _compiled_once(factory, mesh_shape, planning: dict):
+    """The model built here as every rank builds it, and its program compiled here,
+    once, for every rank (tracing, planning and emitting are most of a small job's
+    time); the ranks only cut their shards and run it."""
     model_factory = load_factory(factory) if isinstance(factory, str) else factory
     torch.manual_seed(0)  # as every rank builds the model
     model, inputs = model_factory()
-    plan = autoshard_plan(model, tuple(mesh_shape), inputs, **planning)
-    return {"plan": plan.to_json()}
+    if "compiled" in planning:
+        return model, inputs, planning["compiled"]
+    return model, inputs, compile_program(model, tuple(mesh_shape), inputs, **planning)
 
 
 def equivalence_report(
@@ -206,11 +285,16 @@ def equivalence_report(
 ) -> list[Mismatch]:
     """Every comparison from every rank (see `assert_equivalent`)."""
     pool = shared_pool(math.prod(mesh_shape))
-    planning = _planned_once(factory, mesh_shape, planning)
+    model, inputs, compiled = _compiled_once(factory, mesh_shape, planning)
     per_rank = pool.run(
-        _equivalence_job, tuple(mesh_shape), factory, planning, steps, lr, torch_optimizer
+        _parallel_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
     )
-    return [dataclasses.replace(m, rank=rank) for rank, found in enumerate(per_rank) for m in found]
+    serial, exact = _serial_runs(model, inputs, steps, lr, torch_optimizer)
+    return [
+        dataclasses.replace(m, rank=rank)
+        for rank, parallel in enumerate(per_rank)
+        for m in _compared(parallel, serial, exact, steps)
+    ]
 
 
 def _allowed(m: Mismatch, floor: float, rtol: float, atol: float) -> float:
@@ -247,9 +331,10 @@ def assert_equivalent(
     """Raise AssertionError naming the worst mismatch if the parallel program differs
     from the serial model; return every comparison otherwise.
 
-    Every rank also runs a float64 copy of the serial model (same inputs, floating
-    ones cast to float64, same seeds, so the same dropout masks: CPU draws them
-    alike in either dtype), the reference both fp32 programs are measured against.
+    This process runs the serial model and a float64 copy of it (same inputs,
+    floating ones cast to float64, same seeds, so the same dropout masks: CPU
+    draws them alike in either dtype, and in any process), the reference both
+    fp32 programs are measured against; every rank's results are compared.
     Tensor by tensor (each output, every gradient, every parameter after the
     steps), the parallel program's largest error against it must not exceed
     `ERROR_FACTOR` times the serial program's own, plus a rounding floor of one
@@ -263,8 +348,9 @@ def assert_equivalent(
     its error against the serial program exceeds `rtol` times its largest
     value, plus `atol`.
 
-    `planning` goes to `autoshard.plan` (strategy, memory_budget, hardware…), once,
-    in this process; the ranks apply the plan. Pass `plan=` to apply your own.
+    `planning` goes to `autoshard.compile` (strategy, memory_budget, hardware…,
+    or `plan=` to apply your own), once, in this process: the ranks apply the
+    compiled program and trace nothing. Pass `compiled=` to apply your own.
     `torch_optimizer` is the optimizer class every copy trains with (``lr=lr``).
     `factory` is a module-level callable returning ``(model, example_inputs)``
     (or ``"path/to/file.py:name"``). It runs in the shared pool of as many

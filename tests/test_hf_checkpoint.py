@@ -4,7 +4,7 @@ writes back what ``from_pretrained`` reads."""
 
 import pytest
 import torch
-from hf_models import llama
+from hf_zoo import llama
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
@@ -22,7 +22,7 @@ def _meta_loaded(mesh, directory, inputs, out_dir):
         model, _ = llama()
     parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
     autoshard.checkpoint.load_hf(parallel, directory, prefix="model.")
-    loss = parallel(*inputs)
+    (loss,) = parallel(*inputs)
     loss.backward()
     grads = parallel.full_grads()
     autoshard.checkpoint.save_hf(parallel, out_dir, prefix="model.", max_shard_bytes=40_000)
@@ -36,7 +36,7 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size
     directory = tmp_path / "hf"
     options = {"max_shard_size": shard_size} if shard_size else {}
     serial.model.save_pretrained(directory, **options)
-    want = serial(*inputs)
+    (want,) = serial(*inputs)
     want.backward()
     out_dir = tmp_path / "back"
     results = rank_pool.run(_meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir))
@@ -61,8 +61,8 @@ def test_hf_weights_that_do_not_fit_are_refused(tmp_path):
     with pytest.raises(autoshard.CheckpointError, match="is prefix='' right"):
         autoshard.checkpoint.load_hf(serial, tmp_path / "hf")
     other, _ = _serial()
-    other.model.lm_head = torch.nn.Linear(32, 70, bias=False)  # another vocabulary
-    with pytest.raises(autoshard.CheckpointError, match=r"has shape \[64, 32\] .* but \[70, 32\]"):
+    other.model.lm_head = torch.nn.Linear(64, 70, bias=False)  # another vocabulary
+    with pytest.raises(autoshard.CheckpointError, match=r"has shape \[128, 64\] .* but \[70, 64\]"):
         autoshard.checkpoint.load_hf(other, tmp_path / "hf", prefix="model.")
 
 
@@ -72,7 +72,7 @@ def _adamw(params):
 
 def _train(module, optimizer, inputs, steps: int) -> None:
     for _ in range(steps):
-        loss = module(*inputs)
+        (loss,) = module(*inputs)
         loss.backward()
         if isinstance(module, autoshard.ParallelModule):
             autoshard.clip_grad_norm_(module, 0.5)
@@ -105,7 +105,7 @@ def _lifecycle(mesh, inputs, path, hf_dir):
     _train(resumed, optimizer, inputs, 3)
     autoshard.checkpoint.save_hf(resumed, hf_dir, prefix="model.")
     with torch.no_grad():
-        loss = resumed(*inputs).item()
+        loss = resumed(*inputs)[0].item()
     return resumed.full_state_dict(rank0_only=True), loss
 
 
@@ -134,7 +134,7 @@ def test_train_save_resume_on_another_mesh_and_export(rank_pool, tmp_path):
     _assert_close(trained, 6)
     six = _serial_trained(6)
     with torch.no_grad():
-        want_loss = six(*inputs).item()
+        want_loss = six(*inputs)[0].item()
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
 
     # the 3-step checkpoint in one plain process, with its plain optimizer

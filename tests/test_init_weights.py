@@ -14,7 +14,7 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from gpt import GPT, GPTConfig  # noqa: E402
-from hf_models import CausalLM  # noqa: E402
+from hf_zoo import Run  # noqa: E402
 from llama import Llama, LlamaConfig  # noqa: E402
 from transformers import LlamaConfig as HFLlamaConfig  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -40,7 +40,7 @@ def _hf_llama():
         bos_token_id=0,
         eos_token_id=0,
     )
-    return CausalLM(LlamaForCausalLM(config))
+    return Run(LlamaForCausalLM(config), ("input_ids", "labels"), ("loss",))
 
 
 class Bare(nn.Module):

@@ -8,7 +8,7 @@ from autoshard.testing import assert_equivalent
 
 ROOT = Path(__file__).parents[1]
 GPT, LLAMA = ROOT / "examples/gpt.py", ROOT / "examples/llama.py"
-HF = Path(__file__).parent / "hf_models.py"
+HF = Path(__file__).parent / "hf_zoo.py"
 MESHES = [(2, 2, 2), (1, 2, 4)]
 MIXED = {"*.0.*": "replicated", "*.1.*": "3d-allreduce", "*": "3d"}
 STRATEGIES = ["3d", "3d-allreduce", MIXED]

@@ -19,13 +19,13 @@ from torch import fx
 from torch.ops import aten
 from torch.utils import _pytree as pytree
 
-from autoshard.api import ParallelModule
+from autoshard.api import Compiled, ParallelModule
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.planning.planner import plan_graph
 from autoshard.runtime import comm
 from autoshard.tracing.trace import InputSpec, Traced
-from passes import ShardParameters, emit
+from passes import ShardParameters
 
 CASES_PER_MESH = 200
 MESHES = [(2, 2, 2), (1, 2, 4)]
@@ -197,9 +197,11 @@ def _check_cases(device_mesh, cases) -> list[str]:
     for index, (shape, layout, chain) in enumerate(cases):
         traced = _build(shape, chain, seed=index)
         plan = plan_graph(traced, mesh, "3d", inputs={"x": layout})
+        compiled = Compiled.emitted(traced, plan)
         with comm.bound(bound):
-            program = ShardParameters(plan, traced.parameters)(emit(traced, plan))
-        parallel = ParallelModule(program, plan, traced, bound)
+            program = compiled.program.build(traced.parameters)
+            program = ShardParameters(plan, traced.parameters)(program)
+        parallel = ParallelModule(program, compiled, bound)
         generator = torch.Generator().manual_seed(10_000 + index)
         x = torch.randn(shape, generator=generator, requires_grad=True)
         x_serial = x.detach().clone().requires_grad_(True)

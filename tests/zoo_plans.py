@@ -1,10 +1,11 @@
-"""Plan the zoo (`hf_zoo.py`) once in this process, for the equivalence tests and the
-coverage table (`benchmarks/zoo.py`).
+"""Compile the zoo (`hf_zoo.py`) once in this process, for the equivalence tests and the
+coverage table.
 
-Planning a model on 8 ranks costs 8 times planning it here; the rank processes
-apply the plan made here (`parallelize(..., plan=...)`).
+Tracing, planning and emitting a model on 8 ranks costs 8 times doing it here; the
+rank processes apply the program compiled here (`parallelize(..., compiled=...)`).
+Each case traces its model once, whatever it plans.
 
-    >>> plan = plan_model("bert", (2, 2, 2), "budget")   # "3d", "3d-allreduce", ..., "budget"
+    >>> compiled = compile_model("bert", (2, 2, 2), "budget")   # "3d", ..., "budget"
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-import autoshard
+from autoshard.api import Compiled, plan_traced
 from autoshard.cost.hardware import Hardware
+from autoshard.factory import load_factory
 from autoshard.mesh import Mesh
+from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
 from autoshard.planning.solver import build_problem, smallest_peak
-from autoshard.testing import load_factory
-from autoshard.tracing.trace import trace
+from autoshard.tracing.modes import trace_modes
+from autoshard.tracing.trace import Traced
 
 ZOO = Path(__file__).with_name("hf_zoo.py")
 HARDWARE = "nvlink-8"
@@ -37,26 +40,31 @@ def build(name: str):
     return load_factory(factory(name))()
 
 
-def tight_budget(model, inputs, mesh_shape) -> float:
+def tight_budget(traced: Traced, mesh: Mesh) -> float:
     """A budget between the smallest peak any plan reaches and the unconstrained plan's."""
-    traced = trace(model, inputs)
-    problem = build_problem(
-        traced, Mesh.from_shape(mesh_shape), Hardware.load(HARDWARE), SOLVED, 2.0
-    )
+    problem = build_problem(traced, mesh, Hardware.load(HARDWARE), SOLVED, 2.0)
     floor = smallest_peak(problem)
-    free = autoshard.plan(model, mesh_shape, inputs, hardware=HARDWARE).cost.peak_memory
-    return floor + TIGHT * (free - floor)
+    free = plan_traced(traced, mesh, PlanOptions.from_user(hardware=HARDWARE))
+    return floor + TIGHT * (free.cost.peak_memory - floor)
+
+
+def compile_model(name: str, mesh_shape, setting) -> Compiled:
+    """Zoo model `name` compiled under a strategy, or under "budget": solved within a
+    tight budget. Warnings (ops with no rule) are left to `Plan.warnings`."""
+    model, inputs = build(name)
+    mesh = Mesh.from_shape(mesh_shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = trace_modes(model, inputs)
+        if setting == "budget":
+            options = PlanOptions.from_user(
+                memory_budget=tight_budget(traced, mesh), hardware=HARDWARE
+            )
+        else:
+            options = PlanOptions.from_user(strategy=setting, hardware=HARDWARE)
+        return Compiled.emitted(traced, plan_traced(traced, mesh, options), model)
 
 
 def plan_model(name: str, mesh_shape, setting) -> Plan:
-    """The plan for zoo model `name` under a strategy, or under "budget": solved within a
-    tight budget. Warnings (ops with no rule) are left to `Plan.warnings`."""
-    model, inputs = build(name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if setting == "budget":
-            budget = tight_budget(model, inputs, mesh_shape)
-            return autoshard.plan(
-                model, mesh_shape, inputs, memory_budget=budget, hardware=HARDWARE
-            )
-        return autoshard.plan(model, mesh_shape, inputs, strategy=setting, hardware=HARDWARE)
+    """The plan of `compile_model`."""
+    return compile_model(name, mesh_shape, setting).plan

@@ -179,18 +179,28 @@ def _unaliased(example_inputs: tuple) -> tuple:
     return tuple(distinct)
 
 
+def forward_signature(model: torch.nn.Module) -> inspect.Signature | None:
+    """`model.forward`'s signature, the one call-time arguments bind by; None where
+    inputs go positionally, as given (a builtin or C forward, or ``*args``)."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    if any(p.kind == kinds.VAR_POSITIONAL for p in signature.parameters.values()):
+        return None
+    return signature
+
+
 def _bound(model: torch.nn.Module, example_inputs: tuple):
     """(forward's signature, the parameter name of each example input, export's args
     and kwargs). The examples bind to forward's parameters in declaration order, the
     keyword-only ones too, so a forward(self, *, x) traces from (x,)."""
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a builtin or C forward: positional, as given
+    signature = forward_signature(model)
+    if signature is None:
         return None, [f"input {i}" for i in range(len(example_inputs))], example_inputs, {}
     kinds = inspect.Parameter
     params = list(signature.parameters.values())
-    if any(p.kind == kinds.VAR_POSITIONAL for p in params):
-        return None, [f"input {i}" for i in range(len(example_inputs))], example_inputs, {}
     positional = [
         p.name for p in params if p.kind != kinds.KEYWORD_ONLY and p.kind != kinds.VAR_KEYWORD
     ]
