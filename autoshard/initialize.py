@@ -67,13 +67,18 @@ class _Replay:
     def __init__(self, parallel, source: torch.nn.Module):
         self.parallel = parallel
         self.source = source
-        self.targets = parallel.program.state_dict(keep_vars=True)  # canonical FQN → shard
         self.canonical = {a: fqn for fqn, names in parallel._aliases.items() for a in names}
         self.first_name: dict[str, str] = {}  # a tied tensor lives where it was first built
         for path, module in source.named_modules(remove_duplicate=False):
             for name in _direct_names(module):
                 full = _join(path, name)
                 self.first_name.setdefault(self.canonical.get(full, full), full)
+        # canonical FQN → shard, of what the model holds (not the constants the trace made)
+        self.targets = {
+            fqn: t
+            for fqn, t in parallel.program.state_dict(keep_vars=True).items()
+            if fqn in self.first_name
+        }
         self.reset_states: dict[str, torch.Tensor] = {}  # path → generator state at its reset
         self.initialized: set[str] = set()
         self.written: set[str] = set()

@@ -1,6 +1,6 @@
 """Every conversion between layouts, run on a real 2×2×2 gloo mesh: the value arrives
 as the destination layout says, and autograd brings back exactly the source's share
-of the serial gradient (DESIGN.md's table of forward/backward pairs)."""
+of the serial gradient (the table of forward/backward pairs in autoshard.runtime.comm)."""
 
 import itertools
 import math

@@ -1,4 +1,4 @@
-"""A layer's knobs (DESIGN.md): the weight stored split over M or whole over it, and
+"""A layer's knobs: the weight stored split over M or whole over it, and
 the input kept as its stored shard and gathered again in backward. Plans with every
 knob turned run equal to serial, log exactly the predicted collectives (the
 re-gathers as "backward"), and store and save what the cost model says."""

@@ -1,8 +1,9 @@
 """Collectives run once for several nodes: a conversion read by several nodes, the
-parameter-gradient reductions of an axis packed into a bucket, a layer norm's two
-statistics and the vocabulary-parallel loss's sums in one buffer each. The program
-still equals serial, and every call and byte is as the plan predicts."""
+parameter-gradient reductions of an axis packed into a bucket, the vocabulary-parallel
+loss's sums in one buffer. The program still equals serial, and every call and byte
+is as the plan predicts."""
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -30,8 +31,8 @@ def test_plan_shares_conversions_and_buckets_parameter_gradients():
         for i, steps in enumerate(placed.input_steps):
             if steps and all(s.kind == "grad_all_reduce" for s in steps):
                 assert (name, i) in served or not placed.input_needs_grad[i]
-    calls = Counter((c.kind, c.phase) for c in plan.predicted_calls())
-    assert sum(calls.values()) < len(plan.buckets) + 100
+    plain = dataclasses.replace(plan, shared=(), buckets=())  # each conversion its own
+    assert len(plan.predicted_calls()) < 0.75 * len(plain.predicted_calls())
 
 
 def _calls(mesh):

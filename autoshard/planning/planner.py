@@ -104,7 +104,7 @@ def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
 
 @dataclass(frozen=True)
 class Knobs:
-    """A layer's own choices, apart from its layouts (DESIGN.md's knobs): store the
+    """A layer's own choices, apart from its layouts (its two knobs): store the
     weight split over the M axes too (True) or kept whole over them (False), None for
     the family's default; and save the input as the stored shard, gathered again in
     backward, instead of the gathered operand."""

@@ -8,7 +8,7 @@ The graph is cut into units (`autoshard.planning.units`): each repeated block
 ``blocks.3#1``), and the rest of the model before and after the blocks. Each
 unit takes one option: a family (``"3d"``, ``"3d-allreduce"``,
 ``"replicated"``, …), for block parts whether it is a checkpoint region, and
-per layer of the unit the two knobs of DESIGN.md — store the weight the other
+per layer of the unit its two knobs — store the weight the other
 way (split over M and gathered, or whole over M with its gradient
 all-reduced) and save the input as its stored shard, gathered again in
 backward. Where the mesh's axes differ (in size, or in their links), the

@@ -6,7 +6,7 @@ The emitted program calls these functions by name, so a reader of
     all_gather = autoshard.runtime.comm.all_gather(x, axis='b', dim=0,
                                            backward='reduce_scatter', node='linear_1')
 
-Each is a forward/backward pair from DESIGN.md's table; `backward` names
+Each is a forward/backward pair (the README's table of conversions); `backward` names
 what the gradient needs, which depends on who consumes the output. The mesh
 is bound for the duration of a call (`bound`), and autograd keeps the
 process group each collective used, so backward needs no binding.
@@ -266,10 +266,23 @@ class _GradBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx, axis, node, serves, *tensors):
         ctx.axis, ctx.node, ctx.serves = axis, node, serves
+        ctx.like = [torch.empty_like(t, device="meta") for t in tensors]
+        # A tensor no output of the program reads gets no gradient (None, as in the
+        # serial model, so that optimizers skip it), though it still fills its place in
+        # the bucket: every rank sends the same buffer.
+        ctx.set_materialize_grads(False)
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, *given):
+        unused = [g is None for g in given]
+        if all(unused):
+            return None, None, None, *given
+        device = next(g.device for g in given if g is not None)
+        grads = [
+            torch.zeros(like.shape, dtype=like.dtype, device=device) if g is None else g
+            for g, like in zip(given, ctx.like)
+        ]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=ctx.axis.group)
         if _LOGS.get():
@@ -280,7 +293,12 @@ class _GradBucket(torch.autograd.Function):
                 "all_reduce", ctx.axis, _nbytes(flat), ctx.node, "backward", tuple(served.items())
             )
         parts = flat.split([g.numel() for g in grads])
-        return None, None, None, *(p.view_as(g) for p, g in zip(parts, grads))
+        return (
+            None,
+            None,
+            None,
+            *(None if skip else p.view_as(g) for p, g, skip in zip(parts, grads, unused)),
+        )
 
 
 def grad_bucket(tensors, *, axis: str, node: str, serves: tuple[str, ...]):

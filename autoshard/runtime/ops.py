@@ -17,19 +17,25 @@ from autoshard.runtime import comm
 
 
 def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, ...], node: str):
-    """Layer norm over features split across `axes`: the sums of x and x² behind mean
-    and variance are all-reduced together, one call per axis (their gradients too,
-    since every rank normalizes its own features with them)."""
+    """Layer norm over features split across `axes`: the sums behind mean and variance
+    are all-reduced over those axes (their gradients too, since every rank
+    normalizes its own features with them). The variance is the mean of squares
+    about the mean, one more call: E[x²] − mean² in one call would cancel where the
+    mean is large against the spread."""
     dims = tuple(range(-normalized_ndim, 0))
     count = math.prod(x.shape[d] for d in dims) * math.prod(
         comm.current_mesh().axes[a].size for a in axes
     )
-    sums = torch.stack([x.sum(dims, keepdim=True), (x * x).sum(dims, keepdim=True)])
-    for axis in axes:
-        sums = comm.all_reduce(sums, axis=axis, backward="all_reduce", node=node)
-    mean, mean_square = sums / count
-    var = mean_square - mean * mean
-    out = (x - mean) * torch.rsqrt(var + eps)
+
+    def total(t):
+        for axis in axes:
+            t = comm.all_reduce(t, axis=axis, backward="all_reduce", node=node)
+        return t
+
+    mean = total(x.sum(dims, keepdim=True)) / count
+    centered = x - mean
+    var = total((centered * centered).sum(dims, keepdim=True)) / count
+    out = centered * torch.rsqrt(var + eps)
     if weight is not None:
         out = out * weight
     if bias is not None:

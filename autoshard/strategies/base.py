@@ -68,7 +68,7 @@ class Strategy:
     internal: tuple[Step, ...] = ()  # collectives inside the lowering (a norm's statistics)
     outputs: tuple[Layout, ...] = ()  # per output, for ops that return several tensors
     detail: str = ""
-    # The two knobs of a layer (DESIGN.md): is the weight stored split over the M axes
+    # The two knobs of a layer: is the weight stored split over the M axes
     # too and gathered before use (True), or kept whole over them with its gradient
     # all-reduced (False); None where the op has no such choice.
     split_weight: bool | None = None

@@ -1,4 +1,4 @@
-"""Linear layers: the 3D families of DESIGN.md, and replicated.
+"""Linear layers: the 3D families (M, K, N over the mesh axes), and replicated.
 
 For ``Y = X·Wᵀ + b`` with X [*tokens, H] and W [O, H], each mesh axis takes
 one role: M splits a token dim, K splits H (the contraction), N splits O.

@@ -48,11 +48,13 @@ def _vocab_parallel(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.ops.cross_entropy` keeps the local softmax and per row the
-    target's index (int64) and two bool masks."""
+    """`autoshard.runtime.ops.cross_entropy` keeps the local softmax, per row the
+    target's index (int64) and two bool masks, and for a mean the token count (a view
+    of the (loss, count) pair it is reduced in: two values)."""
     logits, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
     rows = numel(in_shapes[0][:-1])
-    return Saved(extra_bytes=logits * item + rows * (8 + 2) + item)
+    count = 2 * item if argument(node, "reduction") == 1 else 0
+    return Saved(extra_bytes=logits * item + rows * (8 + 2) + count)
 
 
 CROSS_ENTROPY = Lowering("cross_entropy", _vocab_parallel, saved=_vocab_parallel_saved)

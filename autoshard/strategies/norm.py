@@ -75,8 +75,9 @@ def layer_norm(ctx: Context) -> list[Strategy]:
         stat_axes = tuple(a for axes in dims[-k:] for a in axes)
         lay = Layout(dims)
         stat_bytes = math.prod(lay.local_shape(ctx.shape(0), ctx.mesh)[:-k]) * itemsize
-        statistics = tuple(  # the sums of x and x², in one buffer
-            Step("all_reduce", axis, None, "all_reduce", 2 * stat_bytes, ctx.mesh.size(axis))
+        statistics = tuple(
+            Step("all_reduce", axis, None, "all_reduce", stat_bytes, ctx.mesh.size(axis))
+            for _ in ("mean", "variance")
             for axis in stat_axes
         )
         affine = [Layout(dims[-k:])] * (len(ctx.inputs) - 1)
