@@ -111,6 +111,7 @@ class Compiled:
     training: bool
     refused_modes: dict[bool, str]
     planned_with_grad: dict[str, bool]
+    plan_digest: str  # the plan's hash, which every rank compares before it runs
 
     @classmethod
     def emitted(cls, traced: Traced, plan: Plan, model: torch.nn.Module | None = None) -> Compiled:
@@ -134,6 +135,7 @@ class Compiled:
             training=traced.training,
             refused_modes=traced.refused_modes,
             planned_with_grad=inputs_planned_with_grad(traced, plan),
+            plan_digest=hashlib.sha256(plan.to_json().encode()).hexdigest(),
         )
 
     def parameters(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -276,7 +278,7 @@ def _check_same_on_every_rank(
     """Every rank must run the same plan on the same inputs and weights: compare the
     plan's hash and, unless `example_inputs` is None, a checksum of every example
     input and weight (`parameters`) across the world, in one collective."""
-    digest = hashlib.sha256(compiled.plan.to_json().encode()).hexdigest()
+    digest = compiled.plan_digest
     inputs, weights = {}, {}
     if example_inputs is not None:
         inputs = {spec.name: checksum(t) for spec, t in zip(compiled.inputs, example_inputs)}
@@ -458,19 +460,25 @@ class ParallelModule(torch.nn.Module):
         self, tensors: dict[str, torch.Tensor | None], rank0_only: bool = False
     ) -> dict[str, torch.Tensor | None]:
         keep = not rank0_only or dist.get_rank() == 0
-        out = {}
+        dims = {
+            fqn: (self.plan.storage.get(fqn) or Layout.replicated(local.ndim)).dims
+            for fqn, local in tensors.items()
+            if local is not None
+        }
         with comm.bound(self._mesh):
-            for fqn, local in tensors.items():
-                full = None
-                if local is not None:
-                    layout = self.plan.storage.get(fqn) or Layout.replicated(local.ndim)
-                    full = comm.gather_full(local, layout.dims)
-                    # one gathered tensor in flight at a time: to host on rank 0, dropped elsewhere
-                    full = full.cpu() if rank0_only and keep else full
-                if keep:
-                    for name in self._aliases.get(fqn, (fqn,)):
-                        out[name] = full
-        return out
+            if rank0_only:  # one gathered tensor in flight at a time: to host on rank 0
+                full = {}
+                for fqn, d in dims.items():
+                    whole = comm.gather_full(tensors[fqn], d)
+                    if keep:
+                        full[fqn] = whole.cpu()
+            else:
+                full = comm.gather_full_many({fqn: (tensors[fqn], d) for fqn, d in dims.items()})
+        if not keep:
+            return {}
+        return {
+            name: full.get(fqn) for fqn in tensors for name in self._aliases.get(fqn, (fqn,))
+        }
 
     def init_weights(self, seed: int | None = None) -> None:
         """Fill the shards of a model built on meta with its serial initialization

@@ -36,7 +36,6 @@ from autoshard.cost.model import node_costs  # noqa: E402
 from autoshard.mesh import Mesh  # noqa: E402
 from autoshard.planning.planner import plan_graph  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402
-from autoshard.tracing.trace import trace  # noqa: E402
 
 MESH = (2, 2, 2)
 
@@ -72,8 +71,7 @@ def row(name: str, check: bool) -> tuple[str, ...]:
     expected = hf_zoo.EXPECTED_ERRORS.get(name)
     if expected:
         return (name, f"refused: {expected[0]}", "", "", expected[1])
-    model, inputs = zoo.build(name)
-    traced = trace(model, inputs)
+    model, traced = zoo.traced_model(name)
     plan = zoo.plan_model(name, MESH, "3d")
     serial = plan_graph(traced, Mesh.from_shape((1,)), "replicated")
     right = "—"

@@ -48,13 +48,9 @@ class ShardParameters:
             else:
                 owner.register_buffer(name, local)
         for program in gm.modules():  # the program and its checkpoint regions
-            if isinstance(program, fx.GraphModule):
-                for node in program.graph.nodes:
-                    node.args, node.kwargs = pytree.tree_map(
-                        lambda a: torch.device(device) if a == torch.device("meta") else a,
-                        (node.args, node.kwargs),
-                    )
-                program.recompile()
+            if isinstance(program, fx.GraphModule) and _off_meta(program.graph, device):
+                if program is not gm:  # gm's graph is compiled again below
+                    program.recompile()
         for node in gm.graph.nodes:  # checkpoint regions and what they call
             if node.op == "get_attr" and node.target not in self.parameters:
                 value = getattr(gm, node.target)
@@ -63,3 +59,16 @@ class ShardParameters:
                 else:
                     setattr(root, node.target, value)
         return fx.GraphModule(root, gm.graph, class_name="ParallelProgram")
+
+
+def _off_meta(graph: fx.Graph, device: str) -> bool:
+    """Run on `device` the ops `graph` calls with ``device=meta``; whether there were any."""
+    meta, changed = torch.device("meta"), False
+    for node in graph.nodes:
+        moved = pytree.tree_map(
+            lambda a: torch.device(device) if a == meta else a, (node.args, node.kwargs)
+        )
+        if moved != (node.args, node.kwargs):
+            node.args, node.kwargs = moved
+            changed = True
+    return changed

@@ -64,8 +64,9 @@ def _stored_value(program: fx.GraphModule, values: dict, name: str) -> torch.Ten
         last = chain[0]
 
 
-def _round_trips(mesh, factory, strategy):
-    """Names of the parameters and activations whose DTensor is not the serial tensor."""
+def _case(factory, strategy, mesh_shape):
+    """`factory`'s program compiled under `strategy`, and the value of every node of its
+    serial trace: made here, once, for every rank."""
     torch.manual_seed(0)
     model, inputs = load_factory(factory)()
     serial_values = {}
@@ -76,7 +77,15 @@ def _round_trips(mesh, factory, strategy):
             return out
 
     Recorder(trace(copy.deepcopy(model), inputs).graph_module).run(*inputs)
-    parallel = autoshard.parallelize(model, mesh, inputs, strategy=strategy)
+    compiled = autoshard.compile(model, mesh_shape, inputs, strategy=strategy)
+    return factory, compiled, serial_values
+
+
+def _round_trips(mesh, factory, compiled, serial_values):
+    """Names of the parameters and activations whose DTensor is not the serial tensor."""
+    torch.manual_seed(0)
+    model, inputs = load_factory(factory)()
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
     device_mesh, plan = parallel._mesh.device_mesh, parallel.plan
 
     def full(local, layout):
@@ -102,13 +111,14 @@ def _round_trips(mesh, factory, strategy):
     return wrong, checked
 
 
-def _all_round_trips(mesh):
-    return [_round_trips(mesh, GPT, "3d"), _round_trips(mesh, LLAMA, "3d-allreduce")]
+def _all_round_trips(mesh, cases):
+    return [_round_trips(mesh, *case) for case in cases]
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])
 def test_every_layout_is_an_exact_dtensor(rank_pool, mesh):
-    for rank, results in enumerate(rank_pool.run(_all_round_trips, mesh)):
+    cases = [_case(GPT, "3d", mesh), _case(LLAMA, "3d-allreduce", mesh)]
+    for rank, results in enumerate(rank_pool.run(_all_round_trips, mesh, cases)):
         for wrong, checked in results:
             assert checked > 80 and not wrong, (rank, wrong)
 
@@ -133,22 +143,28 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _save_parallel(mesh, factory, path, strategy):
+def _compiled(factory, mesh_shape, **planning) -> autoshard.Compiled:
     torch.manual_seed(0)
     model, inputs = load_factory(factory)()
-    parallel = autoshard.parallelize(model, mesh, inputs, strategy=strategy)
+    return autoshard.compile(model, mesh_shape, inputs, **planning)
+
+
+def _save_parallel(mesh, factory, path, compiled):
+    torch.manual_seed(0)
+    model, inputs = load_factory(factory)()
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
     optimizer = _adamw(parallel.parameters())
     _steps(parallel, optimizer, inputs, 3, 0)
     autoshard.checkpoint.save(parallel, path, optimizer)
 
 
-def _resume_parallel(mesh, factory, path, planning):
+def _resume_parallel(mesh, factory, path, compiled):
     """3 more steps after loading `path` into a freshly initialized program (other seed)."""
     torch.manual_seed(0)
     _, inputs = load_factory(factory)()
     torch.manual_seed(1)  # the loaded state, not the initialization, must count
     model, _ = load_factory(factory)()
-    parallel = autoshard.parallelize(model, mesh, inputs, **planning)
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
     optimizer = _adamw(parallel.parameters())
     autoshard.checkpoint.load(parallel, path, optimizer)
     _steps(parallel, optimizer, inputs, 3, 3)
@@ -177,8 +193,9 @@ def _close(got: dict, factory, steps):
 
 def test_a_checkpoint_resumes_on_another_mesh_under_another_plan(rank_pool, tmp_path):
     path = str(tmp_path / "ckpt")
-    rank_pool.run(_save_parallel, (2, 2, 2), GPT, path, "3d")
-    exported, _ = rank_pool.run(_resume_parallel, (1, 2, 4), GPT, path, {})[0]  # solved
+    rank_pool.run(_save_parallel, (2, 2, 2), GPT, path, _compiled(GPT, (2, 2, 2), strategy="3d"))
+    solved = _compiled(GPT, (1, 2, 4))
+    exported, _ = rank_pool.run(_resume_parallel, (1, 2, 4), GPT, path, solved)[0]
     _close(exported, GPT, 6)
 
     # the same checkpoint in one plain process, with its plain optimizer
@@ -191,8 +208,8 @@ def test_a_checkpoint_resumes_on_another_mesh_under_another_plan(rank_pool, tmp_
     serial_path = str(tmp_path / "serial")
     model, optimizer, _ = _serial(GPT, 3)
     autoshard.checkpoint.save(model, serial_path, optimizer)
-    planning = {"strategy": "3d"}
-    exported, _ = rank_pool.run(_resume_parallel, (2, 2, 2), GPT, serial_path, planning)[0]
+    compiled = _compiled(GPT, (2, 2, 2), strategy="3d")
+    exported, _ = rank_pool.run(_resume_parallel, (2, 2, 2), GPT, serial_path, compiled)[0]
     _close(exported, GPT, 6)
 
 

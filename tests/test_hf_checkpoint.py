@@ -16,11 +16,21 @@ def _serial():
     return llama()
 
 
-def _meta_loaded(mesh, directory, inputs, out_dir):
-    """Loss, gradients and the parameters' devices of a meta-built model after load_hf."""
+def _meta_llama():
     with torch.device("meta"):
         model, _ = llama()
-    parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
+    return model
+
+
+def _compiled(mesh_shape, inputs, **planning) -> autoshard.Compiled:
+    """The meta-built model compiled here, once, for every rank."""
+    meta_inputs = tuple(t.to("meta") for t in inputs)
+    return autoshard.compile(_meta_llama(), mesh_shape, meta_inputs, **planning)
+
+
+def _meta_loaded(mesh, directory, inputs, out_dir, compiled):
+    """Loss, gradients and the parameters' devices of a meta-built model after load_hf."""
+    parallel = autoshard.parallelize(_meta_llama(), mesh, inputs, compiled=compiled)
     autoshard.checkpoint.load_hf(parallel, directory, prefix="model.")
     (loss,) = parallel(*inputs)
     loss.backward()
@@ -39,7 +49,10 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size
     (want,) = serial(*inputs)
     want.backward()
     out_dir = tmp_path / "back"
-    results = rank_pool.run(_meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir))
+    compiled = _compiled((2, 2, 2), inputs, strategy="3d")
+    results = rank_pool.run(
+        _meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir), compiled
+    )
     for rank, (loss, grads, devices) in enumerate(results):
         assert devices == {"cpu"}, rank
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (rank, loss, want.item())
@@ -82,24 +95,23 @@ def _train(module, optimizer, inputs, steps: int) -> None:
         optimizer.zero_grad()
 
 
-def _meta_model(mesh, inputs, **planning):
-    with torch.device("meta"):
-        model, _ = llama()
+def _meta_model(mesh, inputs, compiled):
     meta_inputs = tuple(t.to("meta") for t in inputs)
-    return autoshard.parallelize(model, mesh, meta_inputs, **planning)
+    return autoshard.parallelize(_meta_llama(), mesh, meta_inputs, compiled=compiled)
 
 
-def _lifecycle(mesh, inputs, path, hf_dir):
-    """Built on meta and initialized on 2×2×2 under "3d", 3 AdamW steps with clipping,
-    saved; loaded on 1×2×4 under a solved plan (the same 8 ranks), 3 more steps, and
-    written for Hugging Face. Returns (the model after 6 steps, on rank 0; its loss)."""
-    parallel = _meta_model(mesh, inputs, strategy="3d")
+def _lifecycle(mesh, inputs, path, hf_dir, first, second):
+    """Built on meta and initialized on 2×2×2 under "3d" (`first`), 3 AdamW steps with
+    clipping, saved; loaded on 1×2×4 under a solved plan (`second`; the same 8 ranks),
+    3 more steps, and written for Hugging Face. Returns (the model after 6 steps, on
+    rank 0; its loss)."""
+    parallel = _meta_model(mesh, inputs, first)
     parallel.init_weights(seed=0)
     optimizer = _adamw(parallel.parameters())
     _train(parallel, optimizer, inputs, 3)
     autoshard.checkpoint.save(parallel, path, optimizer)
     other = init_device_mesh("cpu", (1, 2, 4), mesh_dim_names=("a", "b", "c"))
-    resumed = _meta_model(other, inputs)
+    resumed = _meta_model(other, inputs, second)
     optimizer = _adamw(resumed.parameters())
     autoshard.checkpoint.load(resumed, path, optimizer)
     _train(resumed, optimizer, inputs, 3)
@@ -130,7 +142,8 @@ def _assert_close(got: dict, steps: int) -> None:
 def test_train_save_resume_on_another_mesh_and_export(rank_pool, tmp_path):
     _, inputs = _serial()
     path, hf_dir = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    trained, loss = rank_pool.run(_lifecycle, (2, 2, 2), inputs, path, hf_dir)[0]
+    first, second = _compiled((2, 2, 2), inputs, strategy="3d"), _compiled((1, 2, 4), inputs)
+    trained, loss = rank_pool.run(_lifecycle, (2, 2, 2), inputs, path, hf_dir, first, second)[0]
     _assert_close(trained, 6)
     six = _serial_trained(6)
     with torch.no_grad():

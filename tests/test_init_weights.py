@@ -63,11 +63,14 @@ def _inputs(name: str):
 BUILDERS = {"gpt": _gpt, "llama": _llama, "hf-llama": _hf_llama, "bare": Bare}
 
 
-def _initialized(mesh, name: str, seed: int):
-    """The full state after init_weights (rank 0 only), and this rank's shard sizes."""
+def _meta(name: str) -> torch.nn.Module:
     with torch.device("meta"):
-        model = BUILDERS[name]()
-    parallel = autoshard.parallelize(model, mesh, _inputs(name), strategy="3d")
+        return BUILDERS[name]()
+
+
+def _initialized(mesh, name: str, seed: int, compiled):
+    """The full state after init_weights (rank 0 only), and this rank's shard sizes."""
+    parallel = autoshard.parallelize(_meta(name), mesh, _inputs(name), compiled=compiled)
     try:
         parallel.init_weights(seed=seed)
     except autoshard.CheckpointError as error:
@@ -76,12 +79,16 @@ def _initialized(mesh, name: str, seed: int):
     return full, sum(t.numel() for t in parallel.parameters())
 
 
-def _all(mesh):
-    return {name: _initialized(mesh, name, seed=5) for name in BUILDERS}
+def _all(mesh, compiled: dict):
+    return {name: _initialized(mesh, name, 5, compiled[name]) for name in BUILDERS}
 
 
 def test_init_weights_equals_the_serial_construction(rank_pool):
-    per_rank = rank_pool.run(_all, (2, 2, 2))
+    compiled = {  # once here, for every rank
+        name: autoshard.compile(_meta(name), (2, 2, 2), _inputs(name), strategy="3d")
+        for name in BUILDERS
+    }
+    per_rank = rank_pool.run(_all, (2, 2, 2), compiled)
     for name in ("gpt", "llama", "hf-llama"):
         torch.manual_seed(5)
         serial = BUILDERS[name]()

@@ -130,9 +130,15 @@ def _tight_budget(spec) -> float:
     return (smallest_peak(_without_recompute(problem)) + smallest_peak(problem)) / 2
 
 
-def _logged_against_predicted(mesh, spec, budget, hardware="nvlink-8"):
+def _compiled(spec, budget, hardware="nvlink-8") -> autoshard.Compiled:
+    """`spec` solved within `budget`, once here for every rank."""
     model, inputs = load_factory(spec)()
-    parallel = autoshard.parallelize(model, mesh, inputs, memory_budget=budget, hardware=hardware)
+    return autoshard.compile(model, MESH, inputs, memory_budget=budget, hardware=hardware)
+
+
+def _logged_against_predicted(mesh, spec, compiled):
+    model, inputs = load_factory(spec)()
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
     with autoshard.comm_log() as log:
         parallel(*inputs).backward()
     predicted = defaultdict(int)
@@ -144,7 +150,7 @@ def _logged_against_predicted(mesh, spec, budget, hardware="nvlink-8"):
 @pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_solved_plans_log_exactly_the_predicted_bytes(spec):
     for logged, predicted, regions in shared_pool(8).run(
-        _logged_against_predicted, MESH, spec, _tight_budget(spec)
+        _logged_against_predicted, MESH, spec, _compiled(spec, _tight_budget(spec))
     ):
         assert regions  # the tight budget made the solver recompute
         assert any(phase == "recompute" for _, _, phase in logged)
@@ -175,15 +181,15 @@ def test_plans_save_as_json_and_apply_without_solving():
         assert same_code and saved_loss == solved_loss
 
 
-def _rank_dependent_budget(mesh):
+def _rank_dependent_strategy(mesh):
     model, inputs = load_factory(GPT)()
-    budget = None if dist.get_rank() == 0 else _tight_budget(GPT)
-    autoshard.parallelize(model, mesh, inputs, memory_budget=budget, hardware="nvlink-8")
+    strategy = "3d" if dist.get_rank() == 0 else "3d-allreduce"
+    autoshard.parallelize(model, mesh, inputs, strategy=strategy)
 
 
 def test_ranks_that_plan_differently_fail_clearly():
     with pytest.raises(RankError, match="planned differently from rank 0"):
-        shared_pool(8).run(_rank_dependent_budget, MESH)
+        shared_pool(8).run(_rank_dependent_strategy, MESH)
 
 
 def test_blocks_are_cut_where_one_activation_carries_everything():
@@ -252,11 +258,10 @@ def test_on_links_that_differ_the_solver_also_chooses_which_axis_takes_which_rol
     print(f"best speedup from choosing orders: {speedup[budget]:.3f} at {budget:.0f} B")
     assert speedup[budget] < 0.97  # the other orders are worth having
     assert any(o.order for o in solve(problem, budget).values())
-    for logged, predicted, _ in shared_pool(8).run(
-        _logged_against_predicted, MESH, GPT, budget, "ib-cluster"
-    ):
+    compiled = _compiled(GPT, budget, "ib-cluster")
+    for logged, predicted, _ in shared_pool(8).run(_logged_against_predicted, MESH, GPT, compiled):
         assert logged == predicted
-    assert_equivalent(GPT, MESH, memory_budget=budget, hardware="ib-cluster")
+    assert_equivalent(GPT, MESH, compiled=compiled)
 
 
 @pytest.mark.parametrize("hardware", ["nvlink-8", "ib-cluster"])

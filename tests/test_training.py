@@ -35,7 +35,13 @@ def _loss(outputs) -> torch.Tensor:
     return (out * weights).sum()
 
 
-def _train_both(mesh, factory, strategy, optimizer, norm_type, steps=3):
+def _compiled(factory, strategy) -> autoshard.Compiled:
+    torch.manual_seed(0)
+    model, inputs = load_factory(factory)()
+    return autoshard.compile(model, (2, 2, 2), inputs, strategy=strategy)
+
+
+def _train_both(mesh, factory, compiled, optimizer, norm_type, steps=3):
     """Train the serial model in fp32 and in fp64 and the parallel program side by side.
 
     Returns per step the serial and the parallel gradient norm, per parameter at the
@@ -49,7 +55,7 @@ def _train_both(mesh, factory, strategy, optimizer, norm_type, steps=3):
     serial = copy.deepcopy(model)
     exact = copy.deepcopy(model).double()
     exact_inputs = tuple(t.double() if t.is_floating_point() else t for t in inputs)
-    parallel = autoshard.parallelize(model, mesh, inputs, strategy=strategy)
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
     runs = [(serial, inputs), (exact, exact_inputs), (parallel, inputs)]
     opts = [OPTIMIZERS[optimizer](module.parameters()) for module, _ in runs]
     norms = []
@@ -85,12 +91,13 @@ def _train_both(mesh, factory, strategy, optimizer, norm_type, steps=3):
     return norms, errors, same
 
 
-def _all_cases(mesh):
-    return [_train_both(mesh, *case) for case in CASES]
+def _all_cases(mesh, cases):
+    return [_train_both(mesh, *case) for case in cases]
 
 
 def test_optimizers_and_clipping_match_serial(rank_pool):
-    per_rank = rank_pool.run(_all_cases, (2, 2, 2))
+    cases = [(factory, _compiled(factory, strategy), *rest) for factory, strategy, *rest in CASES]
+    per_rank = rank_pool.run(_all_cases, (2, 2, 2), cases)
     for rank, results in enumerate(per_rank):
         for case, (norms, errors, export_exact) in zip(CASES, results):
             for want, got in norms:

@@ -190,22 +190,28 @@ def _serial(shape, chain, x, weight):
     return out
 
 
-def _check_cases(device_mesh, cases) -> list[str]:
-    mesh = Mesh.from_device_mesh(device_mesh)
-    bound = comm.BoundMesh(device_mesh, mesh)
-    failures = []
+def _compiled(cases, mesh: Mesh) -> list[Compiled]:
+    """Each case's program, planned with its input in the case's layout: here, once."""
+    out = []
     for index, (shape, layout, chain) in enumerate(cases):
         traced = _build(shape, chain, seed=index)
-        plan = plan_graph(traced, mesh, "3d", inputs={"x": layout})
-        compiled = Compiled.emitted(traced, plan)
+        out.append(Compiled.emitted(traced, plan_graph(traced, mesh, "3d", inputs={"x": layout})))
+    return out
+
+
+def _check_cases(device_mesh, cases, programs: list[Compiled]) -> list[str]:
+    bound = comm.BoundMesh(device_mesh, Mesh.from_device_mesh(device_mesh))
+    failures = []
+    for index, ((shape, layout, chain), compiled) in enumerate(zip(cases, programs)):
+        parameters = compiled.constants  # the weight: no model holds it
         with comm.bound(bound):
-            program = compiled.program.build(traced.parameters)
-            program = ShardParameters(plan, traced.parameters)(program)
+            program = compiled.program.build(parameters)
+            program = ShardParameters(compiled.plan, parameters)(program)
         parallel = ParallelModule(program, compiled, bound)
         generator = torch.Generator().manual_seed(10_000 + index)
         x = torch.randn(shape, generator=generator, requires_grad=True)
         x_serial = x.detach().clone().requires_grad_(True)
-        weight = traced.parameters["w"].detach().clone().requires_grad_(True)
+        weight = parameters["w"].detach().clone().requires_grad_(True)
         want = _serial(shape, chain, x_serial, weight)
         got = parallel(x)
         mix = torch.randn(want.shape, generator=generator)
@@ -224,10 +230,9 @@ def _check_cases(device_mesh, cases) -> list[str]:
 
 
 def _run(rank_pool, mesh_shape):
-    cases = random_cases(
-        seed=sum(mesh_shape), mesh=Mesh.from_shape(mesh_shape), count=CASES_PER_MESH
-    )
-    per_rank = rank_pool.run(_check_cases, mesh_shape, cases)
+    mesh = Mesh.from_shape(mesh_shape)
+    cases = random_cases(seed=sum(mesh_shape), mesh=mesh, count=CASES_PER_MESH)
+    per_rank = rank_pool.run(_check_cases, mesh_shape, cases, _compiled(cases, mesh))
     failures = sorted({f for found in per_rank for f in found})
     assert not failures, f"{len(failures)} of {len(cases)} cases differ:\n" + "\n".join(
         failures[:20]

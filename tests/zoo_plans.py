@@ -10,6 +10,7 @@ Each case traces its model once, whatever it plans.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from autoshard.factory import load_factory
 from autoshard.mesh import Mesh
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
-from autoshard.planning.solver import build_problem, smallest_peak
+from autoshard.planning.solver import build_problem, smallest_peak, solve
 from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.trace import Traced
 
@@ -44,18 +45,28 @@ def tight_budget(traced: Traced, mesh: Mesh) -> float:
     """A budget between the smallest peak any plan reaches and the unconstrained plan's."""
     problem = build_problem(traced, mesh, Hardware.load(HARDWARE), SOLVED, 2.0)
     floor = smallest_peak(problem)
-    free = plan_traced(traced, mesh, PlanOptions.from_user(hardware=HARDWARE))
-    return floor + TIGHT * (free.cost.peak_memory - floor)
+    free = problem.evaluate(solve(problem, None))[1]
+    return floor + TIGHT * (free - floor)
 
 
+@functools.cache
+def traced_model(name: str) -> tuple[torch.nn.Module, Traced]:
+    """Zoo model `name` and its trace, made once per process for every setting."""
+    model, inputs = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, trace_modes(model, inputs)
+
+
+@functools.cache
 def compile_model(name: str, mesh_shape, setting) -> Compiled:
     """Zoo model `name` compiled under a strategy, or under "budget": solved within a
-    tight budget. Warnings (ops with no rule) are left to `Plan.warnings`."""
-    model, inputs = build(name)
+    tight budget. Warnings (ops with no rule) are left to `Plan.warnings`. Made once
+    per process: the hash-seed test compares these plans with another process's."""
+    model, traced = traced_model(name)
     mesh = Mesh.from_shape(mesh_shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = trace_modes(model, inputs)
         if setting == "budget":
             options = PlanOptions.from_user(
                 memory_budget=tight_budget(traced, mesh), hardware=HARDWARE

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 
 
@@ -347,6 +349,67 @@ def gather_full(local: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch
             dist.all_gather_single(full, moved, group=group.group)
             out = full.movedim(0, d)
     return out.contiguous()
+
+
+GATHER_BYTES = 64 << 20  # the most bytes one `gather_full_many` collective brings in
+
+
+@torch.no_grad()
+def gather_full_many(
+    shards: dict[str, tuple[torch.Tensor, tuple[tuple[str, ...], ...]]],
+) -> dict[str, torch.Tensor]:
+    """Each global tensor from this rank's shard of it (name → (shard, its split dims)),
+    in as few all-gathers over the whole mesh as `GATHER_BYTES` allows: every rank
+    sends its shards as one byte buffer, and each tensor is laid together from the
+    pieces at the offsets each rank's coordinate gives (`Layout.shard_slices`), not
+    one all-gather per tensor and axis. A tensor no axis splits is returned as it is."""
+    mesh = current_mesh()
+    world = mesh.device_mesh.mesh
+    out, batch, size = {}, [], 0
+    for name, (shard, dims) in shards.items():
+        if not any(dims):
+            out[name] = shard.contiguous()
+            continue
+        nbytes = shard.numel() * shard.element_size()
+        if batch and (size + nbytes) * world.numel() > GATHER_BYTES:
+            out.update(_gathered_batch(batch, mesh))
+            batch, size = [], 0
+        batch.append((name, shard, dims))
+        size += nbytes
+    if batch:
+        out.update(_gathered_batch(batch, mesh))
+    return {name: out[name] for name in shards}
+
+
+def _gathered_batch(batch: list, mesh: BoundMesh) -> dict[str, torch.Tensor]:
+    # a ParallelModule's mesh spans the whole process group: rank r's bytes are row r
+    world = mesh.device_mesh.mesh
+    sent = torch.cat([_as_bytes(shard) for _, shard, _ in batch])
+    received = sent.new_empty(world.numel() * sent.numel())
+    dist.all_gather_single(received, sent)
+    received = received.view(world.numel(), sent.numel())
+    coords = {
+        int(world[index]): dict(zip(mesh.mesh.names, index))
+        for index in itertools.product(*map(range, world.shape))
+    }
+    out, offset = {}, 0
+    for name, shard, dims in batch:
+        nbytes = shard.numel() * shard.element_size()
+        layout = Layout(dims)
+        counts = layout.shard_counts(mesh.mesh)
+        shape = tuple(n * k for n, k in zip(shard.shape, counts))
+        full = shard.new_empty(shape)
+        for rank, coord in coords.items():
+            piece = received[rank, offset : offset + nbytes].view(shard.dtype).view(shard.shape)
+            where = tuple(slice(*s) for s in layout.shard_slices(shape, mesh.mesh, coord))
+            full[where] = piece
+        out[name] = full
+        offset += nbytes
+    return out
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
 def local_part(full: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch.Tensor:
