@@ -400,6 +400,9 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
         earlier = plan.nodes.get(inp.name)
         if earlier is not None:
             stored[inp] = earlier.strategy.stored
+        elif inp.op == "call_function" and inp.target is operator.getitem:
+            parent, index = inp.args  # one output of a node with several
+            stored[inp] = plan.nodes[parent.name].strategy.outputs[index]
         elif inp.op != "get_attr":
             stored[inp] = plan.storage[inp.name]
         elif min(order[user.name] for user in inp.users) < order[name]:
