@@ -53,6 +53,7 @@ class Totals:
     entry: int  # bytes of the activations that enter the set from outside
     transient: int  # the largest transient buffer of one node
     resident: int = 0  # bytes of what it makes that many units read (see `totals`)
+    kept_as_stored: tuple[tuple[str, int], ...] = ()  # in `saved`: values kept once, by name
 
     @property
     def time(self) -> float:
@@ -94,7 +95,8 @@ def totals(
                 storage = storage_node(inp, plan)
                 if storage.name not in resident and storage.name not in members:
                     entering[storage.name] = stored_bytes(storage, plan)
-    saved += sum(b for value, b in shared.items() if value not in resident)
+    once = tuple((value, b) for value, b in shared.items() if value not in resident)
+    saved += sum(b for _, b in once)
     for fqn in (f for f, user in first_users.items() if user in members):
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
@@ -103,7 +105,7 @@ def totals(
         params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
     made = sum(stored_bytes(graph[value], plan) for value in resident if value in members)
     return Totals(
-        compute, forward, dict(comm), saved, params, sum(entering.values()), transient, made
+        compute, forward, dict(comm), saved, params, sum(entering.values()), transient, made, once
     )
 
 

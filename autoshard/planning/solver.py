@@ -157,6 +157,12 @@ class Problem:
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
     # per variant, what many units read: counted once (`autoshard.planning.units.resident_values`)
     resident: dict[Variant, frozenset[str]] = field(default_factory=dict)
+    # Per unit and option, a value its knobs keep as stored (the shard that layers
+    # regathering one input save): kept once if any of those knobs is on. Its bytes
+    # are not in the knobs' effects but here, with the knobs that keep it.
+    kept_once: dict[tuple[str, Option], dict[str, tuple[Effect, frozenset[Knob]]]] = field(
+        default_factory=dict
+    )
 
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
@@ -179,6 +185,9 @@ class Problem:
             base = option.base
             effects = [self.effect[unit, base]]
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
+            for effect, keepers in self.kept_once.get((unit, base), {}).values():
+                if keepers & option.knobs:
+                    effects.append(effect)
             transient = dict(self.transient[unit, base])
             for knob in sorted(option.knobs, key=str):
                 if (unit, base, knob) in self.knob_transient:
@@ -254,6 +263,7 @@ class _KnobCost:
     before: Totals  # the layer as its family plans it
     after: Totals  # the layer with the knob turned
     transient: float | None  # the layer's transient bytes with a REGATHER knob turned
+    kept_once: dict[str, int]  # values the knob makes the unit keep as stored, once
 
 
 @dataclass(frozen=True)
@@ -282,7 +292,9 @@ def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last, res
             cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
             after = totals(traced, alt, {**costs, name: cost}, names, optimizer, users, resident)
             transient = cost.transient_bytes if kind == REGATHER else None
-            knobs.append(_KnobCost(position, kind, before, after, transient))
+            already = dict(before.kept_as_stored)
+            once = {v: b for v, b in after.kept_as_stored if v not in already}
+            knobs.append(_KnobCost(position, kind, before, after, transient, once))
     return _UnitCost(
         before,
         sum(costs["output"].forward_comm.values()) if last else 0.0,
@@ -316,6 +328,14 @@ def _add_options(problem: Problem, u: str, names, family: str, order, cost: _Uni
             effect = _difference(knob_cost.before, knob_cost.after, checkpoint)
             transient = knob_cost.transient
             if _worth_having(effect, transient, cost.transients[knob_cost.position]):
+                kept_once = problem.kept_once.setdefault((u, option), {})
+                for value, nbytes in knob_cost.kept_once.items():
+                    once = Effect(0.0, 0, 0 if checkpoint else nbytes, nbytes)
+                    keepers = kept_once.get(value, (once, frozenset()))[1]
+                    kept_once[value] = (once, keepers | {knob})
+                    effect = dataclasses.replace(
+                        effect, kept=effect.kept - once.kept, high=effect.high - once.high
+                    )
                 problem.knobs[u, option][knob] = effect
                 if transient is not None:
                     problem.knob_transient[u, option, knob] = transient
@@ -514,6 +534,8 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
             column("x", u, option)
             for knob in problem.knobs[u, option]:
                 column("z", u, option, knob)
+            for value in problem.kept_once.get((u, option), {}):
+                column("s", u, option, value)
     n_binary = len(columns)
     crossing = {key: c for key, c in problem.crossing.items() if key[3] in problem.options[key[0]]}
     for key in crossing:
@@ -546,6 +568,8 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
             terms[columns["x", u, option]] += getattr(problem.effect[u, option], field)
             for knob, effect in problem.knobs[u, option].items():
                 terms[columns["z", u, option, knob]] += getattr(effect, field)
+            for value, (effect, _) in problem.kept_once.get((u, option), {}).items():
+                terms[columns["s", u, option, value]] += getattr(effect, field)
         for c, crossing in crossings[u]:
             terms[c] += getattr(crossing.effect, field)
         return terms
@@ -558,6 +582,11 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         for option in problem.options[u]:
             for knob in problem.knobs[u, option]:
                 add({columns["z", u, option, knob]: 1, columns["x", u, option]: -1}, -np.inf, 0)
+            # s ≥ z for each knob that keeps the value: kept once, if any of them is on
+            for value, (_, keepers) in problem.kept_once.get((u, option), {}).items():
+                once = columns["s", u, option, value]
+                for knob in keepers:
+                    add({columns["z", u, option, knob]: 1, once: -1}, -np.inf, 0)
     # c = y[source, f]·x[unit, option], exactly: memory rows may weigh it negatively.
     for unit, source, f, option in crossing:
         c = columns["c", unit, source, f, option]
@@ -608,7 +637,9 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         ),
         integrality=integrality,
         bounds=Bounds(lower_bounds, upper_bounds),
-        options={"presolve": True},
+        # HiGHS's presolve restarts a search this small several times: off, the
+        # examples' problems solve about twice as fast, to the same optimum
+        options={"presolve": False},
     )
     if result.x is None:
         return None, math.nan
