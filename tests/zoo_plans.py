@@ -59,11 +59,11 @@ def traced_model(name: str) -> tuple[torch.nn.Module, Traced]:
 
 
 @functools.cache
-def compile_model(name: str, mesh_shape, setting) -> Compiled:
-    """Zoo model `name` compiled under a strategy, or under "budget": solved within a
+def plan_model(name: str, mesh_shape, setting) -> Plan:
+    """Zoo model `name` planned under a strategy, or under "budget": solved within a
     tight budget. Warnings (ops with no rule) are left to `Plan.warnings`. Made once
     per process: the hash-seed test compares these plans with another process's."""
-    model, traced = traced_model(name)
+    _, traced = traced_model(name)
     mesh = Mesh.from_shape(mesh_shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,9 +73,13 @@ def compile_model(name: str, mesh_shape, setting) -> Compiled:
             )
         else:
             options = PlanOptions.from_user(strategy=setting, hardware=HARDWARE)
-        return Compiled.emitted(traced, plan_traced(traced, mesh, options), model)
+        return plan_traced(traced, mesh, options)
 
 
-def plan_model(name: str, mesh_shape, setting) -> Plan:
-    """The plan of `compile_model`."""
-    return compile_model(name, mesh_shape, setting).plan
+@functools.cache
+def compile_model(name: str, mesh_shape, setting) -> Compiled:
+    """`plan_model`'s plan, emitted: what every rank applies."""
+    model, traced = traced_model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Compiled.emitted(traced, plan_model(name, mesh_shape, setting), model)
