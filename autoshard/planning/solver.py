@@ -27,10 +27,11 @@ program HiGHS solves:
     subject to Σ_o x[u, o] = 1                       one option per unit
                z[u, o, k] ≤ x[u, o]                  knob k only with its option
                e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in variants f, g
+               s[u, o, v] ≥ z[u, o, k]               a value knobs k keep as stored, once
                P = Σ params·x + Σ params·z
-               K[u] = K[u−1] + Σ kept·x + Σ kept·z   held from earlier units
+               K[u] = K[u−1] + Σ kept·(x, z, s)      held from earlier units
                T[u] ≥ transient of each node of u   under its option and knobs
-               P + K[u−1] + Σ high·x + Σ high·z + T[u] ≤ peak ≤ budget
+               P + K[u−1] + Σ high·(x, z, s) + T[u] ≤ peak ≤ budget
 
 where y[u, f] sums x over u's options of variant f. `brute_force` enumerates
 every option and knob setting, and the tests hold the two equal.
