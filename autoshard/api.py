@@ -184,7 +184,6 @@ def compile(
     the picklable `Compiled` that `parallelize(..., compiled=...)` applies on every
     rank without tracing or planning there. The keywords are `autoshard.plan`'s;
     `plan` applies a saved plan instead (checked against this model)."""
-    traced = trace_modes(model, example_inputs)
     options = PlanOptions.from_user(
         strategy=strategy,
         memory_budget=memory_budget,
@@ -192,9 +191,15 @@ def compile(
         strategy_space=strategy_space,
         optimizer=optimizer,
     )
-    return Compiled.emitted(
-        traced, _applied(plan, traced, Mesh.from_shape(mesh_shape), options), model
-    )
+    return _compiled(model, Mesh.from_shape(mesh_shape), example_inputs, options, plan)
+
+
+def _compiled(
+    model: torch.nn.Module, mesh: Mesh, example_inputs: tuple, options: PlanOptions, plan
+) -> Compiled:
+    """`model` traced, planned (or `plan` checked) and emitted for `mesh`."""
+    traced = trace_modes(model, example_inputs)
+    return Compiled.emitted(traced, _applied(plan, traced, mesh, options), model)
 
 
 def _applied(plan: Plan | None, traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
@@ -241,7 +246,6 @@ def parallelize(
     _check_mesh(mesh)
     layout = Mesh.from_device_mesh(mesh)
     if compiled is None:
-        traced = trace_modes(model, example_inputs)
         options = PlanOptions.from_user(
             strategy=strategy,
             memory_budget=memory_budget,
@@ -249,7 +253,7 @@ def parallelize(
             strategy_space=strategy_space,
             optimizer=optimizer,
         )
-        compiled = Compiled.emitted(traced, _applied(plan, traced, layout, options), model)
+        compiled = _compiled(model, layout, example_inputs, options, plan)
     elif compiled.plan.mesh != layout:
         raise MeshError(
             f"the program was compiled for mesh {compiled.plan.mesh}, not {layout}; compile again"
