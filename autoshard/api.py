@@ -25,8 +25,6 @@ from autoshard.cost.hardware import Hardware
 from autoshard.errors import InputError, MeshError, StrategyError
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
-from autoshard.planning.collectives import share_collectives
-from autoshard.planning.estimate import estimate
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
 from autoshard.planning.planner import inputs_planned_with_grad
@@ -270,8 +268,7 @@ def plan_traced(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
     """The plan for a model already traced (`trace_modes`), stamped with what the graph
     is made of: `plan` without tracing again, to plan one trace under several settings
     and compile it with `Compiled.emitted`."""
-    plan = share_collectives(traced, plan_model(traced, mesh, options))
-    plan.cost = estimate(traced, plan, options.hardware, options.optimizer)
+    plan = plan_model(traced, mesh, options)
     plan.graph = fingerprint(traced)
     return plan
 
@@ -480,9 +477,7 @@ class ParallelModule(torch.nn.Module):
                 full = comm.gather_full_many({fqn: (tensors[fqn], d) for fqn, d in dims.items()})
         if not keep:
             return {}
-        return {
-            name: full.get(fqn) for fqn in tensors for name in self._aliases.get(fqn, (fqn,))
-        }
+        return {name: full.get(fqn) for fqn in tensors for name in self._aliases.get(fqn, (fqn,))}
 
     def init_weights(self, seed: int | None = None) -> None:
         """Fill the shards of a model built on meta with its serial initialization

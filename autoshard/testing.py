@@ -294,8 +294,13 @@ def equivalence_report(
         _parallel_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
     )
     serial, exact = _serial_runs(model, inputs, steps, lr, torch_optimizer)
+    # a bf16 model's fp32 loss carries bf16 rounding: the floor is in the coarser epsilon
+    coarsest = max(
+        (torch.finfo(p.dtype).eps for p in model.parameters() if p.is_floating_point()),
+        default=0.0,
+    )
     return [
-        dataclasses.replace(m, rank=rank)
+        dataclasses.replace(m, rank=rank, eps=max(m.eps, coarsest) if m.eps else 0.0)
         for rank, parallel in enumerate(per_rank)
         for m in _compared(parallel, serial, exact, steps)
     ]
@@ -342,7 +347,8 @@ def assert_equivalent(
     Tensor by tensor (each output, every gradient, every parameter after the
     steps), the parallel program's largest error against it must not exceed
     `ERROR_FACTOR` times the serial program's own, plus a rounding floor of
-    `FLOOR_EPS` machine epsilons of the tensor's dtype times the largest value of its kind
+    `FLOOR_EPS` machine epsilons of the tensor's dtype (or of the model's parameters,
+    if coarser: a bf16 model's fp32 loss) times the largest value of its kind
     (outputs, gradients or parameters) at that step, plus `atol`. The floor lets
     through what both programs compute for values that are zero in exact
     arithmetic (a key bias's gradient under softmax): rounding noise, of either
@@ -366,9 +372,11 @@ def assert_equivalent(
     failed = failures(report, rtol=rtol, atol=atol)
     if failed:
         worst = max(failed, key=lambda m: m.error if not math.isnan(m.error) else m.rel)
+        compiled = planning.get("compiled")
+        how = planning if compiled is None else {"choices": compiled.plan.choices or "forced"}
         raise AssertionError(
             f"parallel program differs from the serial model on mesh {tuple(mesh_shape)} "
-            f"planned with {planning}: {len(failed)} comparisons fail; worst: {worst}"
+            f"planned with {how}: {len(failed)} comparisons fail; worst: {worst}"
         )
     return report
 

@@ -159,6 +159,8 @@ class InsertCollectives:
             serves = tuple(name for name, _ in bucket.serves)
             with graph.inserting_before(first_op):
                 kwargs = {"axis": bucket.axis, "node": bucket.name, "serves": serves}
+                if len(bucket.calls) > 1:
+                    kwargs["calls"] = bucket.calls
                 call = graph.create_node(
                     "call_function", grad_bucket, (tuple(values),), kwargs, name=bucket.name
                 )

@@ -50,9 +50,7 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size
     want.backward()
     out_dir = tmp_path / "back"
     compiled = _compiled((2, 2, 2), inputs, strategy="3d")
-    results = rank_pool.run(
-        _meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir), compiled
-    )
+    results = rank_pool.run(_meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir), compiled)
     for rank, (loss, grads, devices) in enumerate(results):
         assert devices == {"cpu"}, rank
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (rank, loss, want.item())

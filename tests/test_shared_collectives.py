@@ -7,7 +7,10 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
+import torch
+
 import autoshard
+from autoshard.planning import plan as plan_module
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
 
@@ -61,3 +64,35 @@ def test_every_call_is_predicted_and_a_bucket_logs_once_naming_its_nodes():
 
 def test_shared_and_bucketed_program_equals_serial():
     assert_equivalent(GPT, MESH, strategy="3d")
+
+
+def _stepped(mesh, programs):
+    """Each program's logged calls and full gradients after one step."""
+    out = []
+    for compiled in programs:
+        torch.manual_seed(0)
+        model, inputs = load_factory(GPT)()
+        parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
+        with autoshard.comm_log() as log:
+            parallel(*inputs).backward()
+        logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
+        served = [r.serves for r in log.records if r.node.startswith("grad_bucket")]
+        out.append((logged, served, parallel.full_grads()))
+    return out
+
+
+def test_a_bucket_over_the_cap_is_reduced_in_several_calls(monkeypatch):
+    model, inputs = load_factory(GPT)()
+    whole = autoshard.compile(model, MESH, inputs, strategy="3d")
+    monkeypatch.setattr(plan_module, "BUCKET_BYTES", 256)
+    cut = autoshard.compile(model, MESH, inputs, strategy="3d")
+    assert all(len(b.calls) == -(-b.nbytes // 256) for b in cut.plan.buckets)
+    assert sum(len(b.calls) for b in cut.plan.buckets) > len(cut.plan.buckets)
+    predicted = Counter(
+        (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in cut.plan.predicted_calls()
+    )
+    for (_, _, plain), (logged, served, grads) in shared_pool(8).run(_stepped, MESH, [whole, cut]):
+        assert logged == predicted
+        assert all(sum(b for _, b in record) <= 256 for record in served)
+        for name, grad in grads.items():
+            assert torch.equal(grad, plain[name]), name

@@ -367,17 +367,20 @@ def _aliases(value: fx.Node) -> bool:
 
 def _bucketed_comm(node_plan: NodePlan, plan: Plan, hardware: Hardware) -> dict[str, float]:
     """Seconds per axis of the node's share of gradient buckets: the bandwidth of each
-    gradient a bucket reduces for it, and the latency of each bucket it is the first
-    to be served by (a bucket is one call: its α is paid once)."""
+    gradient a bucket reduces for it. A bucket's latency is the plan's, not a node's
+    (`bucket_latency`)."""
     out: dict[str, float] = defaultdict(float)
-    for step in plan.bucketed_steps(node_plan):
+    for _, step in plan.bucketed_steps(node_plan):
         link = hardware.link(plan.mesh.index(step.axis))
         out[step.axis] += ALL_REDUCE(step.nbytes, step.group_size, 0.0, link.beta)
-    for bucket in plan.buckets:
-        if bucket.serves[0][0] == node_plan.name:
-            link = hardware.link(plan.mesh.index(bucket.axis))
-            out[bucket.axis] += ALL_REDUCE(0, bucket.group_size, link.alpha, link.beta)
     return dict(out)
+
+
+def bucket_latency(axis: str, mesh: Mesh, hardware: Hardware) -> float:
+    """Seconds of latency of one gradient-bucket call over `axis` (its bandwidth is
+    priced with the gradients it reduces)."""
+    link = hardware.link(mesh.index(axis))
+    return ALL_REDUCE(0, mesh.size(axis), link.alpha, link.beta)
 
 
 def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
@@ -488,10 +491,7 @@ def node_cost(
     for step in node_plan.regathered_steps():  # backward gathers the kept shard again
         seconds = step_time(step, hardware, plan.mesh)[0]
         comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
-    conversions = {}
-    for s in plan.shared:
-        source = f"{s.source}:{s.source_input}"
-        conversions[s.node, s.input] = conversions[s.source, s.source_input] = source
+    conversions = plan.conversions
     # An input kept as it is stored (a shard kept for a re-gather too), or the output
     # kept as it is stored, is the very tensor every other node that keeps it (or a
     # view of it) keeps: named by its storage, so it counts once. A view kept counts

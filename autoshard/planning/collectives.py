@@ -1,16 +1,19 @@
 """Which collectives a plan runs once for several nodes: conversions shared by the
 readers of one value, and parameter-gradient reductions packed into buckets.
 
-Both are read off a plan the solver made, so they change its calls, never its layouts:
+Both are read off a plan, so they change its calls, never its layouts:
 
-- A value converted by the same steps for several readers in the same checkpoint
-  region (q, k and v all-gathering one layer-norm output over the same axis) is
-  converted once (`SharedInput`); autograd sums the readers' gradients before the
-  conversion's single backward.
+- A value converted by the same steps for several readers in the same unit of the
+  step (`autoshard.planning.units`: q, k and v all-gathering one layer-norm output
+  over the same axis) is converted once (`SharedInput`); autograd sums the readers'
+  gradients before the conversion's single backward.
 - A parameter that enters split work replicated over an axis reaches it through a
   ``grad_all_reduce`` (identity forward, all-reduce backward). Those over one axis,
-  of one dtype, are reduced together (`Bucket`, at most `BUCKET_BYTES` each): one
-  call per bucket instead of one per parameter, as DDP does.
+  of one dtype, are reduced together (`Bucket`), as DDP does: one flat buffer, in
+  calls of at most `BUCKET_BYTES`, instead of one call per parameter.
+
+The solver prices both (`autoshard.planning.solver`), so it calls this on every plan
+it costs, with the units it plans by.
 
     >>> import torch, autoshard
     >>> from torch import nn
@@ -26,69 +29,65 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 
-from autoshard.planning.plan import Bucket, Plan, SharedInput
+from torch import fx
+
+from autoshard.layout import Step
+from autoshard.planning.plan import Bucket, NodePlan, Plan, SharedInput
 from autoshard.tracing.trace import Traced, tensor_inputs
 
-BUCKET_BYTES = 25 << 20  # DDP's default bucket cap
 
-
-def share_collectives(traced: Traced, plan: Plan) -> Plan:
-    """`plan` with its shared conversions and gradient buckets."""
-    buckets = _buckets(traced, plan)
-    bucketed = {(n, i) for b in buckets for n, i in b.serves}
-    return dataclasses.replace(plan, shared=_shared(traced, plan, bucketed), buckets=buckets)
-
-
-def _shared(traced: Traced, plan: Plan, bucketed: set) -> tuple[SharedInput, ...]:
+def share_collectives(
+    traced: Traced, plan: Plan, unit_of: Mapping[str, str], names: Iterable[str] | None = None
+) -> Plan:
+    """`plan` with its shared conversions and gradient buckets (`unit_of`: node name →
+    its unit). With `names`, only among those nodes: what costing them needs."""
+    names = list(plan.nodes if names is None else names)
+    bucketed = set()
+    groups: dict[tuple[str, str], list] = defaultdict(list)  # (axis, dtype) → served
+    for name in names:
+        placed = plan.nodes[name]
+        for i, value in enumerate(tensor_inputs(traced.nodes[name])):
+            for step in bucketed_steps(value, placed, i):
+                groups[step.axis, dtype_name(value)].append((name, i, step))
+                bucketed.add((name, i))
+    buckets = tuple(
+        Bucket(
+            name=f"grad_bucket_{axis}" + (f"_{dtype}" if len({d for _, d in groups}) > 1 else ""),
+            axis=axis,
+            group_size=served[0][2].group_size,
+            dtype=dtype,
+            nbytes=sum(step.nbytes for _, _, step in served),
+            serves=tuple((name, i) for name, i, _ in served),
+        )
+        for (axis, dtype), served in sorted(groups.items())
+    )
     first: dict[tuple, tuple[str, int]] = {}
-    out = []
-    for name, placed in plan.nodes.items():
+    shared = []
+    for name in names:
+        placed = plan.nodes[name]
         inputs = tensor_inputs(traced.nodes[name])
         for i, (value, steps) in enumerate(zip(inputs, placed.input_steps)):
             if not steps or i in placed.strategy.regather or (name, i) in bucketed:
                 continue
-            key = (value.name, steps, plan.regions.get(name))
+            key = (value.name, steps, unit_of[name])
             if key in first:
-                out.append(SharedInput(name, i, *first[key]))
+                shared.append(SharedInput(name, i, *first[key]))
             else:
                 first[key] = (name, i)
-    return tuple(out)
+    return dataclasses.replace(plan, shared=tuple(shared), buckets=buckets)
 
 
-def _buckets(traced: Traced, plan: Plan) -> tuple[Bucket, ...]:
-    """Per (axis, dtype), in graph order, the parameter inputs whose gradient a
-    ``grad_all_reduce`` over that axis reduces, cut at `BUCKET_BYTES`."""
-    groups: dict[tuple[str, str], list[list]] = defaultdict(lambda: [[]])
-    sizes: dict[tuple[str, str], int] = defaultdict(int)
-    for name, placed in plan.nodes.items():
-        inputs = tensor_inputs(traced.nodes[name])
-        for i, (value, steps) in enumerate(zip(inputs, placed.input_steps)):
-            if value.op != "get_attr" or not placed.input_needs_grad[i] or not steps:
-                continue
-            if any(step.kind != "grad_all_reduce" for step in steps):
-                continue
-            dtype = str(value.meta["val"].dtype).removeprefix("torch.")
-            for step in steps:
-                key = (step.axis, dtype)
-                if sizes[key] + step.nbytes > BUCKET_BYTES and groups[key][-1]:
-                    groups[key].append([])
-                    sizes[key] = 0
-                groups[key][-1].append((name, i, step))
-                sizes[key] += step.nbytes
-    out = []
-    dtypes = {dtype for _, dtype in groups}
-    for (axis, dtype), parts in sorted(groups.items()):
-        for k, part in enumerate(parts):
-            suffix = (f"_{dtype}" if len(dtypes) > 1 else "") + (f"_{k}" if len(parts) > 1 else "")
-            out.append(
-                Bucket(
-                    name=f"grad_bucket_{axis}{suffix}",
-                    axis=axis,
-                    group_size=part[0][2].group_size,
-                    dtype=dtype,
-                    nbytes=sum(step.nbytes for _, _, step in part),
-                    serves=tuple((name, i) for name, i, _ in part),
-                )
-            )
-    return tuple(out)
+def bucketed_steps(value: fx.Node, placed: NodePlan, i: int) -> tuple[Step, ...]:
+    """The steps of input `i` (`value`) of `placed` whose gradient reductions go in
+    buckets: a parameter's that needs a gradient and reaches it by
+    ``grad_all_reduce`` steps only."""
+    steps = placed.input_steps[i]
+    if value.op != "get_attr" or not placed.input_needs_grad[i] or not steps:
+        return ()
+    return steps if all(step.kind == "grad_all_reduce" for step in steps) else ()
+
+
+def dtype_name(value: fx.Node) -> str:
+    return str(value.meta["val"].dtype).removeprefix("torch.")

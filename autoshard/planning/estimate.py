@@ -5,7 +5,8 @@
 
 Time is the sum over nodes of forward and backward compute and collectives,
 plus, for nodes in a recomputed region, their forward compute and
-collectives once more.
+collectives once more, plus the latency of each gradient-bucket call (a
+bucket's bandwidth is priced with the gradients it reduces).
 
 Memory follows the step unit by unit (`autoshard.planning.units`): parameters with
 their gradients and optimizer state live throughout; each unit keeps what
@@ -31,11 +32,13 @@ from autoshard.cost.hardware import Hardware
 from autoshard.cost.model import (
     Cost,
     NodeCost,
+    bucket_latency,
     node_costs,
     parameter_bytes,
     storage_node,
     stored_bytes,
 )
+from autoshard.planning.collectives import dtype_name
 from autoshard.planning.plan import Plan
 from autoshard.planning.units import resident_values, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
@@ -54,6 +57,8 @@ class Totals:
     transient: int  # the largest transient buffer of one node
     resident: int = 0  # bytes of what it makes that many units read (see `totals`)
     kept_as_stored: tuple[tuple[str, int], ...] = ()  # in `saved`: values kept once, by name
+    # bytes of parameter gradients that gradient buckets reduce, per (axis, dtype)
+    bucketed: tuple[tuple[tuple[str, str], int], ...] = ()
 
     @property
     def time(self) -> float:
@@ -81,8 +86,12 @@ def totals(
     saved = params = transient = 0
     entering: dict[str, int] = {}  # storage → bytes: views of one tensor enter once
     shared: dict[str, int] = {}  # values kept as they are stored: once, whoever keeps them
+    bucketed: dict[tuple[str, str], int] = defaultdict(int)
     for name in names:
         cost = costs[name]
+        inputs = tensor_inputs(graph[name])
+        for i, step in plan.bucketed_steps(plan.nodes[name]):
+            bucketed[step.axis, dtype_name(inputs[i])] += step.nbytes
         compute += cost.forward_compute + cost.backward_compute
         forward += cost.forward_compute + sum(cost.forward_comm.values())
         for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
@@ -90,7 +99,7 @@ def totals(
         saved += cost.saved_bytes
         shared.update(cost.shared)
         transient = max(transient, cost.transient_bytes)
-        for inp in tensor_inputs(graph[name]):
+        for inp in inputs:
             if inp.op != "get_attr" and inp.name not in members:
                 storage = storage_node(inp, plan)
                 if storage.name not in resident and storage.name not in members:
@@ -105,7 +114,16 @@ def totals(
         params += int(parameter_bytes(numel, tensor.element_size(), multiplier))
     made = sum(stored_bytes(graph[value], plan) for value in resident if value in members)
     return Totals(
-        compute, forward, dict(comm), saved, params, sum(entering.values()), transient, made, once
+        compute,
+        forward,
+        dict(comm),
+        saved,
+        params,
+        sum(entering.values()),
+        transient,
+        made,
+        once,
+        tuple(sorted(bucketed.items())),
     )
 
 
@@ -145,6 +163,9 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
     comm = dict(whole.comm)
     for axis, seconds in costs["output"].forward_comm.items():
         comm[axis] = comm.get(axis, 0.0) + seconds
+    for bucket in plan.buckets:  # each call's latency; its bandwidth is in the nodes'
+        latency = len(bucket.calls) * bucket_latency(bucket.axis, plan.mesh, hardware)
+        comm[bucket.axis] = comm.get(bucket.axis, 0.0) + latency
     recompute = 0.0
     held = peak = 0
     for names in members.values():

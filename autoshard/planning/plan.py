@@ -6,8 +6,10 @@ The planner writes a `Plan`; the passes read it and nothing else.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from autoshard.cost.model import Cost
@@ -53,7 +55,7 @@ class NodePlan:
 @dataclass(frozen=True)
 class SharedInput:
     """Input `input` of `node` is converted exactly as input `source_input` of the earlier
-    `source` (the same value, the same steps, the same checkpoint region): it reads that
+    `source` (the same value, the same steps, the same unit of the step): it reads that
     conversion instead of running its own, and backward reduces their gradients once."""
 
     node: str
@@ -62,11 +64,16 @@ class SharedInput:
     source_input: int
 
 
+BUCKET_BYTES = 25 << 20  # DDP's default bucket cap: the most one gradient call reduces
+
+
 @dataclass(frozen=True)
 class Bucket:
-    """Parameter gradients all-reduced over `axis` in one call: each (node, input) it serves
-    is a parameter whose steps include a ``grad_all_reduce`` over `axis`; backward packs
-    their gradients into one flat buffer of `nbytes` when the last of them is ready."""
+    """The parameter gradients of one dtype all-reduced over `axis` together: each
+    (node, input) it serves is a parameter whose steps include a ``grad_all_reduce``
+    over `axis`. When the last of them is ready, backward reduces their `nbytes` as one
+    flat buffer, in calls of at most `BUCKET_BYTES` (`calls`): ⌈nbytes / BUCKET_BYTES⌉
+    of them, which is what the solver prices."""
 
     name: str
     axis: str
@@ -74,6 +81,15 @@ class Bucket:
     dtype: str
     nbytes: int
     serves: tuple[tuple[str, int], ...]
+
+    @property
+    def calls(self) -> tuple[tuple[str, int], ...]:
+        """(name, bytes) of each call: the buffer cut every `BUCKET_BYTES`."""
+        count = max(1, math.ceil(self.nbytes / BUCKET_BYTES))
+        if count == 1:
+            return ((self.name, self.nbytes),)
+        sizes = [BUCKET_BYTES] * (count - 1) + [self.nbytes - BUCKET_BYTES * (count - 1)]
+        return tuple((f"{self.name}#{k}", nbytes) for k, nbytes in enumerate(sizes))
 
 
 @dataclass(frozen=True)
@@ -113,27 +129,41 @@ class Plan:
     shared: tuple[SharedInput, ...] = ()  # conversions read by several nodes, run once
     buckets: tuple[Bucket, ...] = ()  # parameter-gradient reductions packed together
 
+    @cached_property
+    def conversions(self) -> dict[tuple[str, int], str]:
+        """(node, input) → the name of the conversion it reads, for every input of
+        `shared` (the source's too): a conversion several nodes read is one tensor."""
+        out = {}
+        for s in self.shared:
+            out[s.node, s.input] = out[s.source, s.source_input] = f"{s.source}:{s.source_input}"
+        return out
+
+    @cached_property
+    def _skipped(self) -> frozenset[tuple[str, int]]:
+        return frozenset((s.node, s.input) for s in self.shared)
+
+    @cached_property
+    def _bucketed(self) -> frozenset[tuple[str, int, str]]:
+        return frozenset((n, i, b.axis) for b in self.buckets for n, i in b.serves)
+
     def node_steps(self, node: NodePlan) -> list[tuple[Step, bool]]:
         """`node`'s steps that run as its own calls (with whether their backward runs):
         not the conversions it shares with an earlier node, and, for its parameters'
         gradients reduced in a bucket, the step without its backward."""
-        skipped = {(s.node, s.input) for s in self.shared}
-        bucketed = {(n, i, b.axis) for b in self.buckets for n, i in b.serves}
         out = []
         for i, (steps, grad) in enumerate(zip(node.input_steps, node.input_needs_grad)):
-            if (node.name, i) not in skipped:
-                out += [(s, grad and (node.name, i, s.axis) not in bucketed) for s in steps]
+            if (node.name, i) not in self._skipped:
+                out += [(s, grad and (node.name, i, s.axis) not in self._bucketed) for s in steps]
         own = list(node.strategy.internal) + list(node.output_steps)
         return out + [(step, node.needs_grad) for step in own]
 
-    def bucketed_steps(self, node: NodePlan) -> list[Step]:
-        """`node`'s steps whose backward a bucket runs."""
-        bucketed = {(n, i, b.axis) for b in self.buckets for n, i in b.serves}
+    def bucketed_steps(self, node: NodePlan) -> list[tuple[int, Step]]:
+        """`node`'s steps whose backward a bucket runs, with the input each serves."""
         return [
-            s
+            (i, s)
             for i, steps in enumerate(node.input_steps)
             for s in steps
-            if (node.name, i, s.axis) in bucketed
+            if (node.name, i, s.axis) in self._bucketed
         ]
 
     def predicted_calls(self) -> list[Call]:
@@ -157,7 +187,8 @@ class Plan:
             for step in node.regathered_steps():
                 call(node.name, step.forward_collective, step, "backward")
         for b in self.buckets:
-            out.append(Call(b.name, "all_reduce", b.axis, "backward", b.nbytes, b.group_size))
+            for name, nbytes in b.calls:
+                out.append(Call(name, "all_reduce", b.axis, "backward", nbytes, b.group_size))
         return out
 
     def stored_layout(self, node) -> Layout | None:

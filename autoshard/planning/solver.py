@@ -20,18 +20,24 @@ own layer, since no knob changes a layout. Two neighbouring units in
 different variants also pay for converting what crosses between them.
 Memory is tracked unit by unit (`autoshard.planning.estimate`): parameters P, then
 each unit keeps kept[u] from its forward to its backward, and holds high[u]
-of its own plus its largest transient buffer T[u] while it runs. The integer
-program HiGHS solves:
+of its own plus its largest transient buffer T[u] while it runs. Every plan
+costed has its shared conversions and gradient buckets
+(`autoshard.planning.collectives`): a conversion several layers of a unit share
+is paid once, and knobs turned on all of them together may add what none adds
+alone (j); the n[a] calls of bucket a (one axis, one dtype) are paid for the
+whole step. The integer program HiGHS solves:
 
-    minimize   Σ time·x + Σ time·z + Σ convert[u, f, g]·e[u, f, g]
+    minimize   Σ time·(x, z, s, j, e) + Σ α[a]·n[a]
     subject to Σ_o x[u, o] = 1                       one option per unit
                z[u, o, k] ≤ x[u, o]                  knob k only with its option
                e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in variants f, g
                s[u, o, v] ≥ z[u, o, k]               a value knobs k keep as stored, once
+               j ≤ z[u, o, k] for each k of J,  j ≥ Σ_J z − |J| + 1   knobs J all on
+               n[a]·BUCKET_BYTES ≥ Σ bucketed[a]·(x, z, e), n integer   calls per bucket
                P = Σ params·x + Σ params·z
-               K[u] = K[u−1] + Σ kept·(x, z, s)      held from earlier units
+               K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units
                T[u] ≥ transient of each node of u   under its option and knobs
-               P + K[u−1] + Σ high·(x, z, s) + T[u] ≤ peak ≤ budget
+               P + K[u−1] + Σ high·(x, z, s, j) + T[u] ≤ peak ≤ budget
 
 where y[u, f] sums x over u's options of variant f. `brute_force` enumerates
 every option and knob setting, and the tests hold the two equal.
@@ -51,12 +57,13 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import node_cost, node_costs
+from autoshard.cost.model import bucket_latency, node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
+from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
-from autoshard.planning.plan import Plan
+from autoshard.planning.plan import BUCKET_BYTES, NodePlan, Plan
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, resident_values, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
@@ -129,6 +136,25 @@ class Effect:
     params: float  # parameters, gradients, optimizer state
     kept: float  # held from the unit's forward to its backward
     high: float  # the unit's own activations while it runs, transients aside
+    # parameter-gradient bytes it puts in gradient buckets, per (axis, dtype): the
+    # buckets' calls (their latency) are priced for the whole step, not per unit
+    buckets: tuple[tuple[tuple[str, str], int], ...] = ()
+
+    def __sub__(self, other: Effect) -> Effect:
+        return Effect(
+            self.time - other.time,
+            self.params - other.params,
+            self.kept - other.kept,
+            self.high - other.high,
+            _bucket_difference(self.buckets, other.buckets),
+        )
+
+
+def _bucket_difference(after, before) -> tuple[tuple[tuple[str, str], int], ...]:
+    out = defaultdict(int, after)
+    for key, nbytes in before:
+        out[key] -= nbytes
+    return tuple(sorted((key, b) for key, b in out.items() if b))
 
 
 @dataclass(frozen=True)
@@ -164,6 +190,14 @@ class Problem:
     kept_once: dict[tuple[str, Option], dict[str, tuple[Effect, frozenset[Knob]]]] = field(
         default_factory=dict
     )
+    # Per unit and option, what knobs add together beyond the sum of what each adds
+    # alone: a conversion several layers share is run by none of them once all of
+    # them keep their input as stored (q, k and v regathering one layer-norm output).
+    joint: dict[tuple[str, Option], list[tuple[Effect, frozenset[Knob]]]] = field(
+        default_factory=dict
+    )
+    # seconds of latency of one gradient-bucket call, per (axis, dtype)
+    bucket_latency: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
@@ -181,6 +215,7 @@ class Problem:
         """(step time, peak memory) of a choice: the sums the integer program makes."""
         time = params = held = 0.0
         highs = []
+        bucketed: dict[tuple[str, str], int] = defaultdict(int)
         for unit in self.units:
             option = choice[unit]
             base = option.base
@@ -188,6 +223,9 @@ class Problem:
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
             for effect, keepers in self.kept_once.get((unit, base), {}).values():
                 if keepers & option.knobs:
+                    effects.append(effect)
+            for effect, together in self.joint.get((unit, base), []):
+                if together <= option.knobs:
                     effects.append(effect)
             transient = dict(self.transient[unit, base])
             for knob in sorted(option.knobs, key=str):
@@ -204,6 +242,11 @@ class Problem:
             params += sum(e.params for e in effects)
             highs.append(held + sum(e.high for e in effects) + max(transient.values(), default=0))
             held += sum(e.kept for e in effects)
+            for effect in effects:
+                for key, nbytes in effect.buckets:
+                    bucketed[key] += nbytes
+        for key, nbytes in sorted(bucketed.items()):
+            time += self.bucket_latency[key] * math.ceil(nbytes / BUCKET_BYTES)
         return time, params + max(highs)
 
 
@@ -226,6 +269,7 @@ def build_problem(
         for order in (orders if family != "replicated" else [()])
     }
     unit = units_of(traced, plans[families[0], ()])
+    plans = {v: share_collectives(traced, plan, unit) for v, plan in plans.items()}
     units = list(dict.fromkeys(unit.values()))
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
@@ -233,7 +277,7 @@ def build_problem(
     resident = {v: resident_values(traced, plan, unit) for v, plan in plans.items()}
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
-    signatures = _Signatures(plans, members)
+    signatures = _Signatures(traced, plans, members)
     all_costs = {}
     for (family, order), plan in plans.items():
         costs = all_costs[family, order] = node_costs(traced, plan, hardware)
@@ -251,10 +295,25 @@ def build_problem(
                     optimizer,
                     u == units[-1],
                     resident[family, order],
+                    unit,
                 )
             _add_options(problem, u, members[u], family, order, known[key])
     _add_crossings(problem, traced, members, hardware, optimizer, all_costs, signatures)
+    for effect in _all_effects(problem):
+        for axis, dtype in dict(effect.buckets):
+            problem.bucket_latency[axis, dtype] = bucket_latency(axis, mesh, hardware)
     return problem
+
+
+def _all_effects(problem: Problem):
+    yield from problem.effect.values()
+    for knobs in problem.knobs.values():
+        yield from knobs.values()
+    for crossing in problem.crossing.values():
+        yield crossing.effect
+    for terms in problem.joint.values():
+        for effect, _ in terms:
+            yield effect
 
 
 @dataclass(frozen=True)
@@ -273,13 +332,33 @@ class _UnitCost:
     output: float  # seconds returning the model's outputs, for the last unit
     knobs: tuple[_KnobCost, ...]
     transients: tuple[int, ...]  # per node, knobs at their defaults
+    # per conversion that layers share, each of them with REGATHER on: (their
+    # positions, the unit's totals then); see `Problem.joint`
+    shared_regathered: tuple[tuple[frozenset[int], Totals], ...] = ()
 
 
-def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last, resident) -> _UnitCost:
+def _unit_cost(
+    traced, plan, names, costs, users, hardware, optimizer, last, resident, unit_of
+) -> _UnitCost:
     """A unit's totals in `plan`, and with each knob of each of its layers turned (the
     whole unit costed again: a tensor the layer then keeps as stored may be one that
-    another node of the unit keeps too, and counts once)."""
+    another node of the unit keeps too, and counts once; a conversion it shared is
+    then run by another reader)."""
+
+    alike: dict = {}
+
+    def turned_totals(turns: dict[str, Knobs]) -> tuple[Plan, Totals]:
+        alt = plan
+        for name, knobs in turns.items():
+            alt = replanned(traced, alt, name, knobs)
+        alt = share_collectives(traced, alt, unit_of, names)
+        alt_costs = {
+            n: node_cost(traced.nodes[n], alt.nodes[n], alt, hardware, alike=alike) for n in names
+        }
+        return alt, totals(traced, alt, {**costs, **alt_costs}, names, optimizer, users, resident)
+
     knobs = []
+    regathering = set()
     before = totals(traced, plan, costs, names, optimizer, users, resident)
     for position, name in enumerate(names):
         placed = plan.nodes[name]
@@ -287,21 +366,41 @@ def _unit_cost(traced, plan, names, costs, users, hardware, optimizer, last, res
             continue  # not a layer
         other = Knobs(split_weight=not default_split(placed.strategy.family))
         for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
-            alt = replanned(traced, plan, name, turned)
+            alt, after = turned_totals({name: turned})
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input
-            cost = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware)
-            after = totals(traced, alt, {**costs, name: cost}, names, optimizer, users, resident)
-            transient = cost.transient_bytes if kind == REGATHER else None
+            if kind == REGATHER:
+                regathering.add(name)
+            transient = None
+            if kind == REGATHER:
+                own = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware, alike=alike)
+                transient = own.transient_bytes
             already = dict(before.kept_as_stored)
             once = {v: b for v, b in after.kept_as_stored if v not in already}
             knobs.append(_KnobCost(position, kind, before, after, transient, once))
+    position = {name: k for k, name in enumerate(names)}
+    shared_regathered = []
+    for readers in _sharing(plan, names):
+        if len(readers) > 1 and readers <= regathering:
+            _, after = turned_totals({name: Knobs(regather=True) for name in sorted(readers)})
+            shared_regathered.append((frozenset(position[n] for n in readers), after))
     return _UnitCost(
         before,
         sum(costs["output"].forward_comm.values()) if last else 0.0,
         tuple(knobs),
         tuple(costs[n].transient_bytes for n in names),
+        tuple(shared_regathered),
     )
+
+
+def _sharing(plan: Plan, names) -> list[frozenset[str]]:
+    """The nodes among `names` that read each conversion several of them share."""
+    members = set(names)
+    readers: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for s in plan.shared:
+        if s.node in members:
+            readers[s.source, s.source_input] |= {s.node, s.source}
+    return [frozenset(r) for _, r in sorted(readers.items())]
 
 
 def _add_options(problem: Problem, u: str, names, family: str, order, cost: _UnitCost) -> None:
@@ -315,10 +414,15 @@ def _add_options(problem: Problem, u: str, names, family: str, order, cost: _Uni
         kept, high = own_memory(total, checkpoint)
         recompute = total.forward if checkpoint else 0.0
         problem.effect[u, option] = Effect(
-            total.time + cost.output + recompute, total.params, kept, high
+            total.time + cost.output + recompute, total.params, kept, high, total.bucketed
         )
         problem.transient[u, option] = dict(zip(names, cost.transients))
         problem.knobs[u, option] = {}
+        # layers that share a conversion may be worth turning only all together
+        together = set()
+        for positions, after in cost.shared_regathered:
+            if not checkpoint and _worth_having(_difference(total, after, False), None, 0):
+                together |= {Knob(names[k], REGATHER) for k in positions}
         for knob_cost in cost.knobs:
             if knob_cost.kind == REGATHER and checkpoint:
                 continue  # a replayed region keeps nothing of its own anyway
@@ -328,7 +432,8 @@ def _add_options(problem: Problem, u: str, names, family: str, order, cost: _Uni
             knob = Knob(names[knob_cost.position], kind)
             effect = _difference(knob_cost.before, knob_cost.after, checkpoint)
             transient = knob_cost.transient
-            if _worth_having(effect, transient, cost.transients[knob_cost.position]):
+            worth = _worth_having(effect, transient, cost.transients[knob_cost.position])
+            if worth or knob in together:
                 kept_once = problem.kept_once.setdefault((u, option), {})
                 for value, nbytes in knob_cost.kept_once.items():
                     once = Effect(0.0, 0, 0 if checkpoint else nbytes, nbytes)
@@ -340,15 +445,36 @@ def _add_options(problem: Problem, u: str, names, family: str, order, cost: _Uni
                 problem.knobs[u, option][knob] = effect
                 if transient is not None:
                     problem.knob_transient[u, option, knob] = transient
+        if not checkpoint:
+            _add_joint(problem, u, option, names, cost)
+
+
+def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost) -> None:
+    """`Problem.joint` for `option`: for each conversion several layers share, what
+    turning REGATHER on all of them costs beyond what the MILP sums for them."""
+    knobs = problem.knobs[u, option]
+    kept_once = problem.kept_once.get((u, option), {})
+    for positions, after in cost.shared_regathered:
+        together = frozenset(Knob(names[k], REGATHER) for k in positions)
+        if not together <= set(knobs):
+            continue  # a layer's knob not worth having: never all on
+        summed = [knobs[k] for k in sorted(together, key=str)]
+        summed += [once for once, keepers in kept_once.values() if keepers & together]
+        extra = _difference(cost.total, after, False)
+        for effect in summed:
+            extra = extra - effect
+        problem.joint.setdefault((u, option), []).append((extra, together))
 
 
 def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
     """A knob's effect: one layer costed with it (`after`) and without (`before`)."""
     saved = after.saved - before.saved
     time = after.time - before.time
+    params = after.params - before.params
+    buckets = _bucket_difference(after.bucketed, before.bucketed)
     if checkpoint:  # replayed: the forward is paid again, and the layer keeps nothing
-        return Effect(time + after.forward - before.forward, after.params - before.params, 0, saved)
-    return Effect(time, after.params - before.params, saved, saved)
+        return Effect(time + after.forward - before.forward, params, 0, saved, buckets)
+    return Effect(time, params, saved, saved, buckets)
 
 
 def _worth_having(effect: Effect, transient: float | None, transient_before: float) -> bool:
@@ -360,16 +486,40 @@ def _worth_having(effect: Effect, transient: float | None, transient_before: flo
 
 class _Signatures(dict):
     """(variant, unit) → a small number, equal for units planned alike: the same ops,
-    shapes and strategies in the same order (identical blocks; computed once each)."""
+    shapes, strategies, steps and gradients in the same order, wired alike (identical
+    blocks; computed once each). The first block differs from the others where it
+    reads the model's input, which needs no gradient."""
 
-    def __init__(self, plans: dict[Variant, Plan], members: dict[str, list[str]]):
+    def __init__(self, traced: Traced, plans: dict[Variant, Plan], members: dict[str, list[str]]):
         super().__init__()
         numbers: dict[tuple, int] = {}
         for variant, plan in plans.items():
             for u, names in members.items():
-                nodes = [plan.nodes[n] for n in names]
-                signature = tuple((p.op, p.shape, p.strategy) for p in nodes)
+                position = {name: k for k, name in enumerate(names)}
+                signature = tuple(
+                    (
+                        _unnamed(plan.nodes[name]),
+                        tuple(
+                            position.get(inp.name, (inp.op, str(plan.stored_layout(inp))))
+                            for inp in tensor_inputs(traced.nodes[name])
+                        ),
+                    )
+                    for name in names
+                )
                 self[variant, u] = numbers.setdefault(signature, len(numbers))
+
+
+def _unnamed(p: NodePlan) -> tuple:
+    """What a node plan says, but its names."""
+    return (
+        p.op,
+        p.shape,
+        p.strategy,
+        p.input_steps,
+        p.output_steps,
+        p.input_needs_grad,
+        p.needs_grad,
+    )
 
 
 def _add_crossings(
@@ -407,6 +557,7 @@ def _add_crossings(
                             hardware,
                             optimizer,
                             problem.resident[g],
+                            problem.unit,
                         )
                     if known[key] is not None:
                         problem.crossing[u, v, f, g_option] = _crossing(
@@ -448,6 +599,7 @@ def _crossed(
     hardware,
     optimizer,
     resident,
+    unit_of,
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
     plans it, and its own totals; None where nothing changes."""
@@ -466,6 +618,7 @@ def _crossed(
             context = replanned(traced, context, name, Knobs())
     if all(context.nodes[name] == own.nodes[name] for name in members[u]):
         return None
+    context = share_collectives(traced, context, unit_of, members[u])
     costs = {
         name: node_cost(traced.nodes[name], context.nodes[name], context, hardware)
         for name in members[u]
@@ -494,7 +647,13 @@ def _crossing(crossed: Totals, alone: Totals, transient, checkpoint: bool) -> Cr
     time = crossed.time - alone.time
     if checkpoint:  # the replay converts again
         time += crossed.forward - alone.forward
-    effect = Effect(time, crossed.params - alone.params, kept - kept_alone, high - high_alone)
+    effect = Effect(
+        time,
+        crossed.params - alone.params,
+        kept - kept_alone,
+        high - high_alone,
+        _bucket_difference(crossed.bucketed, alone.bucketed),
+    )
     return Crossing(effect, transient)
 
 
@@ -522,6 +681,7 @@ def smallest_peak(problem: Problem) -> float:
 
 
 _MIB = 2.0**20  # memory rows in MiB keep the coefficients near 1 for HiGHS
+_KIB = 2.0**10
 
 
 def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
@@ -537,10 +697,17 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
                 column("z", u, option, knob)
             for value in problem.kept_once.get((u, option), {}):
                 column("s", u, option, value)
-    n_binary = len(columns)
+    for key in problem.bucket_latency:
+        column("n", key)  # calls of the gradient buckets over that axis, of that dtype
+    n_integer = len(columns)
     crossing = {key: c for key, c in problem.crossing.items() if key[3] in problem.options[key[0]]}
     for key in crossing:
         column("c", *key)
+    for u in problem.units:
+        for option in problem.options[u]:
+            for k, _ in enumerate(problem.joint.get((u, option), [])):
+                column("j", u, option, k)
+    n_unit = len(columns)  # binaries, and the continuous columns in [0, 1]
     for u in problem.units:
         column("K", u)
         column("T", u)
@@ -561,24 +728,36 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     for key, c in crossing.items():
         crossings[key[0]].append((columns[("c", *key)], c))
 
-    def choice_terms(u: str, field: str) -> dict[int, float]:
-        """Σ field·x + Σ field·z + Σ field·c over u's options, knobs and crossings, as
-        {column: coefficient}."""
-        terms: dict[int, float] = defaultdict(float)
+    def unit_effects(u: str) -> list[tuple[int, Effect]]:
+        """(column, effect) of u's options, knobs, values kept once, joint knobs and
+        crossings."""
+        out = []
         for option in problem.options[u]:
-            terms[columns["x", u, option]] += getattr(problem.effect[u, option], field)
+            out.append((columns["x", u, option], problem.effect[u, option]))
             for knob, effect in problem.knobs[u, option].items():
-                terms[columns["z", u, option, knob]] += getattr(effect, field)
+                out.append((columns["z", u, option, knob], effect))
             for value, (effect, _) in problem.kept_once.get((u, option), {}).items():
-                terms[columns["s", u, option, value]] += getattr(effect, field)
-        for c, crossing in crossings[u]:
-            terms[c] += getattr(crossing.effect, field)
+                out.append((columns["s", u, option, value], effect))
+            for k, (effect, _) in enumerate(problem.joint.get((u, option), [])):
+                out.append((columns["j", u, option, k], effect))
+        out += [(c, crossing.effect) for c, crossing in crossings[u]]
+        return out
+
+    def choice_terms(u: str, field: str) -> dict[int, float]:
+        """Σ field·column over `unit_effects`, as {column: coefficient}."""
+        terms: dict[int, float] = defaultdict(float)
+        for c, effect in unit_effects(u):
+            terms[c] += getattr(effect, field)
         return terms
 
+    bucketed: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for u in problem.units:
         cost_terms = choice_terms(u, "time")
         for i, value in cost_terms.items():
             cost[i] += value
+        for c, effect in unit_effects(u):
+            for key, nbytes in effect.buckets:
+                bucketed[key][c] += nbytes / _KIB
         add({columns["x", u, o]: 1 for o in problem.options[u]}, 1, 1)
         for option in problem.options[u]:
             for knob in problem.knobs[u, option]:
@@ -586,8 +765,21 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
             # s ≥ z for each knob that keeps the value: kept once, if any of them is on
             for value, (_, keepers) in problem.kept_once.get((u, option), {}).items():
                 once = columns["s", u, option, value]
-                for knob in keepers:
+                for knob in sorted(keepers, key=str):
                     add({columns["z", u, option, knob]: 1, once: -1}, -np.inf, 0)
+            # j = the product of its knobs' z: j ≤ each, j ≥ their sum − (count − 1)
+            for k, (_, together) in enumerate(problem.joint.get((u, option), [])):
+                j = columns["j", u, option, k]
+                knobs = {columns["z", u, option, knob]: -1.0 for knob in sorted(together, key=str)}
+                for z in knobs:
+                    add({j: 1.0, z: -1.0}, -np.inf, 0)
+                add({j: 1.0, **knobs}, 1 - len(together), np.inf)
+    # n·BUCKET_BYTES ≥ the bytes the buckets reduce, n integer: ⌈bytes / BUCKET_BYTES⌉
+    # calls (rows in KiB: a small gradient's bytes stay far above HiGHS's tolerances)
+    for key, terms in bucketed.items():
+        calls = columns["n", key]
+        cost[calls] += problem.bucket_latency[key]
+        add({calls: BUCKET_BYTES / _KIB, **{c: -v for c, v in terms.items()}}, 0, np.inf)
     # c = y[source, f]·x[unit, option], exactly: memory rows may weigh it negatively.
     for unit, source, f, option in crossing:
         c = columns["c", unit, source, f, option]
@@ -619,9 +811,10 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         add(entries, -np.inf, 0)
         previous = u
     integrality = np.zeros(n)
-    integrality[:n_binary] = 1
+    integrality[:n_integer] = 1
     upper_bounds = np.full(n, np.inf)
-    upper_bounds[: n_binary + len(crossing)] = 1
+    upper_bounds[:n_unit] = 1
+    upper_bounds[[columns["n", key] for key in problem.bucket_latency]] = np.inf
     lower_bounds = np.zeros(n)
     lower_bounds[[columns["K", u] for u in problem.units] + [params]] = -np.inf  # knobs subtract
     if budget is not None:
@@ -702,6 +895,7 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
         if memory_budget is not None:
             raise StrategyError("memory_budget needs strategy=None or a single family name")
         plan = plan_graph(traced, mesh, strategy)
+        plan = share_collectives(traced, plan, units_of(traced, plan))
     else:
         check_strategy(strategy)
         space = (strategy,) if strategy else SPACES[options.strategy_space]
@@ -723,7 +917,8 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
 def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
     """The plan of `choice`: every node with the strategy the plan of its unit's variant
     gives it; a value crossing into a unit of another variant is converted straight
-    to the layout its reader computes on, as `Crossing` prices it."""
+    to the layout its reader computes on, as `Crossing` prices it; conversions shared
+    and gradients bucketed as the problem priced them."""
     variant = {name: choice[u].variant for name, u in problem.unit.items()}
     fixed = {name: problem.plans[v].nodes[name].strategy for name, v in variant.items()}
     knobs: dict[str, Knobs] = {}
@@ -746,6 +941,7 @@ def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardw
         for name, v in variant.items()
         if (note := problem.plans[v].fallbacks.get(name)) is not None
     ]
+    plan = share_collectives(traced, plan, problem.unit)
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
 

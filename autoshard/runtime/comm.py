@@ -263,11 +263,11 @@ def to_partial(x, *, axis: str, backward: str = "identity", node: str):
 class _GradBucket(torch.autograd.Function):
     """Identity on several tensors whose backward all-reduces their gradients together:
     autograd calls it once every output's gradient is ready, and one flat buffer goes
-    over the axis."""
+    over the axis, in the calls the plan cut it into."""
 
     @staticmethod
-    def forward(ctx, axis, node, serves, *tensors):
-        ctx.axis, ctx.node, ctx.serves = axis, node, serves
+    def forward(ctx, axis, node, serves, calls, *tensors):
+        ctx.axis, ctx.node, ctx.serves, ctx.calls = axis, node, serves, calls
         ctx.like = [torch.empty_like(t, device="meta") for t in tensors]
         # A tensor no output of the program reads gets no gradient (None, as in the
         # serial model, so that optimizers skip it), though it still fills its place in
@@ -279,23 +279,25 @@ class _GradBucket(torch.autograd.Function):
     def backward(ctx, *given):
         unused = [g is None for g in given]
         if all(unused):
-            return None, None, None, *given
+            return None, None, None, None, *given
         device = next(g.device for g in given if g is not None)
         grads = [
             torch.zeros(like.shape, dtype=like.dtype, device=device) if g is None else g
             for g, like in zip(given, ctx.like)
         ]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ctx.axis.group)
-        if _LOGS.get():
-            served: dict[str, int] = defaultdict(int)
-            for name, g in zip(ctx.serves, grads):
-                served[name] += _nbytes(g)
-            _record(
-                "all_reduce", ctx.axis, _nbytes(flat), ctx.node, "backward", tuple(served.items())
-            )
+        calls = ctx.calls or ((ctx.node, _nbytes(flat)),)
+        pieces = flat.split([nbytes // flat.element_size() for _, nbytes in calls])
+        start = 0
+        for (name, nbytes), piece in zip(calls, pieces):
+            dist.all_reduce(piece, group=ctx.axis.group)
+            if _LOGS.get():
+                served = _served(ctx.serves, grads, start, start + nbytes)
+                _record("all_reduce", ctx.axis, nbytes, name, "backward", served)
+            start += nbytes
         parts = flat.split([g.numel() for g in grads])
         return (
+            None,
             None,
             None,
             None,
@@ -303,10 +305,23 @@ class _GradBucket(torch.autograd.Function):
         )
 
 
-def grad_bucket(tensors, *, axis: str, node: str, serves: tuple[str, ...]):
+def _served(serves, grads, start: int, stop: int) -> tuple[tuple[str, int], ...]:
+    """Bytes of bytes [start, stop) of the flat buffer of `grads` per node it serves."""
+    out: dict[str, int] = defaultdict(int)
+    offset = 0
+    for name, g in zip(serves, grads):
+        end = offset + _nbytes(g)
+        if min(end, stop) > max(offset, start):
+            out[name] += min(end, stop) - max(offset, start)
+        offset = end
+    return tuple(out.items())
+
+
+def grad_bucket(tensors, *, axis: str, node: str, serves: tuple[str, ...], calls=None):
     """`tensors` unchanged; backward all-reduces their gradients over `axis` in one call
-    (a bucket named `node`; ``serves[k]`` is the node that reads ``tensors[k]``)."""
-    return _GradBucket.apply(current_mesh().axes[axis], node, serves, *tensors)
+    (a bucket named `node`; ``serves[k]`` is the node that reads ``tensors[k]``), or,
+    for a bucket larger than one call, in `calls`: (name, bytes) of each, in order."""
+    return _GradBucket.apply(current_mesh().axes[axis], node, serves, calls, *tensors)
 
 
 @torch.no_grad()
