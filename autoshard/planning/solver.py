@@ -39,8 +39,11 @@ whole step. The integer program HiGHS solves:
                T[u] ≥ transient of each node of u   under its option and knobs
                P + K[u−1] + Σ high·(x, z, s, j) + T[u] ≤ peak ≤ budget
 
-where y[u, f] sums x over u's options of variant f. `brute_force` enumerates
-every option and knob setting, and the tests hold the two equal.
+where y[u, f] sums x over u's options of variant f. The e rows are written as
+the coupling of two one-hot choices (e over every f and g, its sums over f and
+over g equal to x and y): exact, and a far tighter relaxation than the three
+rows each of the product. `brute_force` enumerates every option and knob
+setting, and the tests hold the two equal.
 """
 
 from __future__ import annotations
@@ -701,8 +704,17 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         column("n", key)  # calls of the gradient buckets over that axis, of that dtype
     n_integer = len(columns)
     crossing = {key: c for key, c in problem.crossing.items() if key[3] in problem.options[key[0]]}
-    for key in crossing:
-        column("c", *key)
+    # c[unit, source, f, o] = y[source, f]·x[unit, o] for every variant f and option o
+    # of each pair that crosses (those with no Crossing cost nothing): the couplings
+    # of two one-hot choices, whose sums over f and over o are x and y
+    pairs = list(dict.fromkeys((unit, source) for unit, source, _, _ in crossing))
+    variants = {
+        u: list(dict.fromkeys(o.variant for o in options)) for u, options in problem.options.items()
+    }
+    for unit, source in pairs:
+        for f in variants[source]:
+            for option in problem.options[unit]:
+                column("c", unit, source, f, option)
     for u in problem.units:
         for option in problem.options[u]:
             for k, _ in enumerate(problem.joint.get((u, option), [])):
@@ -780,14 +792,18 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         calls = columns["n", key]
         cost[calls] += problem.bucket_latency[key]
         add({calls: BUCKET_BYTES / _KIB, **{c: -v for c, v in terms.items()}}, 0, np.inf)
-    # c = y[source, f]·x[unit, option], exactly: memory rows may weigh it negatively.
-    for unit, source, f, option in crossing:
-        c = columns["c", unit, source, f, option]
-        in_f = {columns["x", source, o]: -1.0 for o in problem.options[source] if o.variant == f}
-        x = columns["x", unit, option]
-        add({c: 1.0, **in_f}, -np.inf, 0)
-        add({c: 1.0, x: -1.0}, -np.inf, 0)
-        add({c: 1.0, **in_f, x: -1.0}, -1, np.inf)
+    # Σ_f c[f, o] = x[unit, o] and Σ_o c[f, o] = y[source, f]: exactly the product for
+    # one-hot x and y (memory rows may weigh c negatively), and a tight relaxation
+    for unit, source in pairs:
+        for option in problem.options[unit]:
+            terms = {columns["c", unit, source, f, option]: 1.0 for f in variants[source]}
+            add({**terms, columns["x", unit, option]: -1.0}, 0, 0)
+        for f in variants[source]:
+            terms = {columns["c", unit, source, f, o]: 1.0 for o in problem.options[unit]}
+            for o in problem.options[source]:
+                if o.variant == f:
+                    terms[columns["x", source, o]] = -1.0
+            add(terms, 0, 0)
     # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
     total_params: dict[int, float] = {params: -1.0}
     for u in problem.units:
