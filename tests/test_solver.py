@@ -3,6 +3,9 @@ equal to serial with every collective (recomputation included) as predicted."""
 
 import dataclasses
 import itertools
+import os
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from autoshard.planning.solver import (
     Problem,
     brute_force,
     build_problem,
+    integer_program,
     orientations,
     plan_choice,
     smallest_peak,
@@ -202,6 +206,42 @@ def _rank_dependent_strategy(mesh):
     model, inputs = load_factory(GPT)()
     strategy = "3d" if dist.get_rank() == 0 else "3d-allreduce"
     autoshard.parallelize(model, mesh, inputs, strategy=strategy)
+
+
+_PROGRAM_DIGESTS = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_solver import program_digests
+print(program_digests())
+"""
+
+
+def program_digests() -> list[str]:
+    """The integer programs of the GPT and LLaMA examples (q, k and v keep one shard,
+    and their joint term, between them), at a tight budget and at none."""
+    out = []
+    for spec in (GPT, LLAMA):
+        problem = _problem(spec)
+        budget = (smallest_peak(_without_recompute(problem)) + smallest_peak(problem)) / 2
+        for limit in (budget, None):
+            out.append(integer_program(problem, limit, minimize_memory=False).digest())
+    return out
+
+
+def test_the_integer_program_does_not_depend_on_the_hash_seed():
+    # Every rank that plans for itself must solve the very same program: HiGHS breaks
+    # ties between equal plans by the order of rows and columns.
+    own = os.environ.get("PYTHONHASHSEED", "random")
+    other = str(int(own) + 1) if own.isdigit() else "0"
+    script = _PROGRAM_DIGESTS.format(tests=str(Path(__file__).parent))
+    child = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONHASHSEED": other},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.strip() == str(program_digests())
 
 
 def test_ranks_that_plan_differently_fail_clearly():

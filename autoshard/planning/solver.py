@@ -49,6 +49,7 @@ setting, and the tests hold the two equal.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import math
 import operator
@@ -687,7 +688,55 @@ _MIB = 2.0**20  # memory rows in MiB keep the coefficients near 1 for HiGHS
 _KIB = 2.0**10
 
 
+@dataclass
+class IntegerProgram:
+    """The MILP of the module docstring as HiGHS takes it (`integer_program`)."""
+
+    columns: dict[tuple, int]  # ("x", unit, option), ("z", …), … → column index
+    cost: np.ndarray  # seconds per column
+    objective: np.ndarray
+    matrix: coo_array
+    lower: list[float]  # row bounds
+    upper: list[float]
+    integrality: np.ndarray
+    bounds: Bounds  # column bounds
+
+    def digest(self) -> str:
+        """A hash of every number and its place: equal programs solve alike."""
+        parts = [self.objective, self.matrix.row, self.matrix.col, self.matrix.data]
+        parts += [np.asarray(self.lower), np.asarray(self.upper), self.integrality]
+        parts += [self.bounds.lb, self.bounds.ub]
+        return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in parts)).hexdigest()
+
+
 def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
+    program = integer_program(problem, budget, minimize_memory)
+    result = milp(
+        program.objective,
+        constraints=LinearConstraint(program.matrix.tocsr(), program.lower, program.upper),
+        integrality=program.integrality,
+        bounds=program.bounds,
+        # HiGHS's presolve restarts a search this small several times: off, the
+        # examples' problems solve about twice as fast, to the same optimum
+        options={"presolve": False},
+    )
+    if result.x is None:
+        return None, math.nan
+    columns = program.columns
+    chosen = {}
+    for u in problem.units:
+        option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
+        knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
+        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
+    return chosen, float(program.cost @ result.x)  # seconds, as the program priced them
+
+
+def integer_program(
+    problem: Problem, budget: float | None, minimize_memory: bool
+) -> IntegerProgram:
+    """The MILP for `problem` under `budget`: its time, or with `minimize_memory`
+    its peak, as the objective. Built in an order that depends on nothing but the
+    problem (ranks that each solve must get the same plan, whatever their hash seed)."""
     columns: dict[tuple, int] = {}
 
     def column(*key) -> int:
@@ -840,25 +889,9 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         objective[peak] = 1.0
     else:
         objective = cost / max(float(np.abs(cost).max()), 1e-30)
-    result = milp(
-        objective,
-        constraints=LinearConstraint(
-            coo_array((values, (rows, cols)), shape=(len(lower), n)).tocsr(), lower, upper
-        ),
-        integrality=integrality,
-        bounds=Bounds(lower_bounds, upper_bounds),
-        # HiGHS's presolve restarts a search this small several times: off, the
-        # examples' problems solve about twice as fast, to the same optimum
-        options={"presolve": False},
-    )
-    if result.x is None:
-        return None, math.nan
-    chosen = {}
-    for u in problem.units:
-        option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
-        knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
-        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
-    return chosen, float(cost @ result.x)  # seconds, as the program priced them
+    matrix = coo_array((values, (rows, cols)), shape=(len(lower), n))
+    bounds = Bounds(lower_bounds, upper_bounds)
+    return IntegerProgram(columns, cost, objective, matrix, lower, upper, integrality, bounds)
 
 
 def _transient_terms(problem: Problem, crossing, u: str, columns) -> dict[str, dict[int, float]]:
