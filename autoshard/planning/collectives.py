@@ -81,12 +81,13 @@ def share_collectives(
 
 def bucketed_steps(value: fx.Node, placed: NodePlan, i: int) -> tuple[Step, ...]:
     """The steps of input `i` (`value`) of `placed` whose gradient reductions go in
-    buckets: a parameter's that needs a gradient and reaches it by
+    buckets: a parameter's that needs a gradient, has elements, and reaches it by
     ``grad_all_reduce`` steps only."""
     steps = placed.input_steps[i]
     if value.op != "get_attr" or not placed.input_needs_grad[i] or not steps:
         return ()
-    return steps if all(step.kind == "grad_all_reduce" for step in steps) else ()
+    bucketed = all(step.kind == "grad_all_reduce" and step.nbytes for step in steps)
+    return steps if bucketed else ()
 
 
 def dtype_name(value: fx.Node) -> str:

@@ -67,6 +67,11 @@ class SharedInput:
 BUCKET_BYTES = 25 << 20  # DDP's default bucket cap: the most one gradient call reduces
 
 
+def bucket_calls(nbytes: int) -> int:
+    """The calls a bucket of `nbytes` takes: ⌈nbytes / BUCKET_BYTES⌉."""
+    return math.ceil(nbytes / BUCKET_BYTES)
+
+
 @dataclass(frozen=True)
 class Bucket:
     """The parameter gradients of one dtype all-reduced over `axis` together: each
@@ -85,7 +90,7 @@ class Bucket:
     @property
     def calls(self) -> tuple[tuple[str, int], ...]:
         """(name, bytes) of each call: the buffer cut every `BUCKET_BYTES`."""
-        count = max(1, math.ceil(self.nbytes / BUCKET_BYTES))
+        count = bucket_calls(self.nbytes)
         if count == 1:
             return ((self.name, self.nbytes),)
         sizes = [BUCKET_BYTES] * (count - 1) + [self.nbytes - BUCKET_BYTES * (count - 1)]

@@ -30,10 +30,10 @@ whole step. The integer program HiGHS solves:
     minimize   Σ time·(x, z, s, j, e) + Σ α[a]·n[a]
     subject to Σ_o x[u, o] = 1                       one option per unit
                z[u, o, k] ≤ x[u, o]                  knob k only with its option
-               e[u, f, g] ≥ y[u−1, f] + y[u, g] − 1  neighbours in variants f, g
+               Σ_g e[u, f, g] = y[u−1, f], Σ_f e = y[u, g]  neighbours in variants f, g
                s[u, o, v] ≥ z[u, o, k]               a value knobs k keep as stored, once
                j ≤ z[u, o, k] for each k of J,  j ≥ Σ_J z − |J| + 1   knobs J all on
-               n[a]·BUCKET_BYTES ≥ Σ bucketed[a]·(x, z, e), n integer   calls per bucket
+               n[a]·BUCKET_BYTES ≥ Σ bucketed[a]·(x, z, j, e), n integer   calls per bucket
                P = Σ params·x + Σ params·z
                K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units
                T[u] ≥ transient of each node of u   under its option and knobs
@@ -61,13 +61,14 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import bucket_latency, node_cost, node_costs
+from autoshard.cost.model import NodeCost, bucket_latency, node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
+from autoshard.planning import plan as plan_module
 from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
-from autoshard.planning.plan import BUCKET_BYTES, NodePlan, Plan
+from autoshard.planning.plan import NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, resident_values, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
@@ -250,7 +251,7 @@ class Problem:
                 for key, nbytes in effect.buckets:
                     bucketed[key] += nbytes
         for key, nbytes in sorted(bucketed.items()):
-            time += self.bucket_latency[key] * math.ceil(nbytes / BUCKET_BYTES)
+            time += self.bucket_latency[key] * bucket_calls(nbytes)
         return time, params + max(highs)
 
 
@@ -349,17 +350,20 @@ def _unit_cost(
     another node of the unit keeps too, and counts once; a conversion it shared is
     then run by another reader)."""
 
-    alike: dict = {}
+    alike: dict = {}  # keyed by the identity of strategies and steps: keep their plans
+    alive = []
 
-    def turned_totals(turns: dict[str, Knobs]) -> tuple[Plan, Totals]:
+    def turned_totals(turns: dict[str, Knobs]) -> tuple[Plan, Totals, dict[str, NodeCost]]:
         alt = plan
         for name, knobs in turns.items():
             alt = replanned(traced, alt, name, knobs)
         alt = share_collectives(traced, alt, unit_of, names)
+        alive.append(alt)
         alt_costs = {
             n: node_cost(traced.nodes[n], alt.nodes[n], alt, hardware, alike=alike) for n in names
         }
-        return alt, totals(traced, alt, {**costs, **alt_costs}, names, optimizer, users, resident)
+        total = totals(traced, alt, {**costs, **alt_costs}, names, optimizer, users, resident)
+        return alt, total, alt_costs
 
     knobs = []
     regathering = set()
@@ -370,15 +374,13 @@ def _unit_cost(
             continue  # not a layer
         other = Knobs(split_weight=not default_split(placed.strategy.family))
         for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
-            alt, after = turned_totals({name: turned})
+            alt, after, alt_costs = turned_totals({name: turned})
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input
-            if kind == REGATHER:
-                regathering.add(name)
             transient = None
             if kind == REGATHER:
-                own = node_cost(traced.nodes[name], alt.nodes[name], alt, hardware, alike=alike)
-                transient = own.transient_bytes
+                regathering.add(name)
+                transient = alt_costs[name].transient_bytes
             already = dict(before.kept_as_stored)
             once = {v: b for v, b in after.kept_as_stored if v not in already}
             knobs.append(_KnobCost(position, kind, before, after, transient, once))
@@ -386,7 +388,7 @@ def _unit_cost(
     shared_regathered = []
     for readers in _sharing(plan, names):
         if len(readers) > 1 and readers <= regathering:
-            _, after = turned_totals({name: Knobs(regather=True) for name in sorted(readers)})
+            _, after, _ = turned_totals({name: Knobs(regather=True) for name in sorted(readers)})
             shared_regathered.append((frozenset(position[n] for n in readers), after))
     return _UnitCost(
         before,
@@ -499,18 +501,26 @@ class _Signatures(dict):
         numbers: dict[tuple, int] = {}
         for variant, plan in plans.items():
             for u, names in members.items():
-                position = {name: k for k, name in enumerate(names)}
-                signature = tuple(
-                    (
-                        _unnamed(plan.nodes[name]),
-                        tuple(
-                            position.get(inp.name, (inp.op, str(plan.stored_layout(inp))))
-                            for inp in tensor_inputs(traced.nodes[name])
-                        ),
-                    )
-                    for name in names
-                )
+                signature = _signature(traced, plan, names)
                 self[variant, u] = numbers.setdefault(signature, len(numbers))
+
+
+def _signature(traced: Traced, plan: Plan, names: list[str]) -> tuple:
+    """The unit of nodes `names` as `_Signatures` compares it: each node's plan, names
+    aside, and where each of its inputs comes from (a node of the unit by position;
+    what it reads from outside numbered as first read, with its storage)."""
+    position = {name: k for k, name in enumerate(names)}
+    outside: dict[str, tuple] = {}
+
+    def wire(inp) -> int | tuple:
+        if inp.name in position:
+            return position[inp.name]
+        key = (len(outside), inp.op, str(plan.stored_layout(inp)))
+        return outside.setdefault(inp.name, key)
+
+    return tuple(
+        (_unnamed(plan.nodes[n]), tuple(map(wire, tensor_inputs(traced.nodes[n])))) for n in names
+    )
 
 
 def _unnamed(p: NodePlan) -> tuple:
@@ -700,6 +710,17 @@ class IntegerProgram:
     upper: list[float]
     integrality: np.ndarray
     bounds: Bounds  # column bounds
+    # per bucket key, its n column and the KiB each column puts in the bucket
+    calls: dict[tuple[str, str], tuple[int, dict[int, float]]] = field(default_factory=dict)
+
+    def priced(self, x: np.ndarray) -> float:
+        """Seconds of the solution `x`, each bucket's calls counted from its bytes: HiGHS
+        may take n = bytes / BUCKET_BYTES ≤ 1e-6 for an integer, a call too few."""
+        x = x.copy()
+        for column, terms in self.calls.values():
+            kib = sum(v * x[c] for c, v in terms.items())
+            x[column] = bucket_calls(round(kib * _KIB))
+        return float(self.cost @ x)
 
     def digest(self) -> str:
         """A hash of every number and its place: equal programs solve alike."""
@@ -728,7 +749,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
         chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
-    return chosen, float(program.cost @ result.x)  # seconds, as the program priced them
+    return chosen, program.priced(result.x)  # seconds, as the program priced them
 
 
 def integer_program(
@@ -836,11 +857,12 @@ def integer_program(
                     add({j: 1.0, z: -1.0}, -np.inf, 0)
                 add({j: 1.0, **knobs}, 1 - len(together), np.inf)
     # n·BUCKET_BYTES ≥ the bytes the buckets reduce, n integer: ⌈bytes / BUCKET_BYTES⌉
-    # calls (rows in KiB: a small gradient's bytes stay far above HiGHS's tolerances)
+    # calls (HiGHS takes an n within 1e-6 of an integer as one: `_milp` recounts them)
     for key, terms in bucketed.items():
         calls = columns["n", key]
         cost[calls] += problem.bucket_latency[key]
-        add({calls: BUCKET_BYTES / _KIB, **{c: -v for c, v in terms.items()}}, 0, np.inf)
+        cap = plan_module.BUCKET_BYTES / _KIB
+        add({calls: cap, **{c: -v for c, v in terms.items()}}, 0, np.inf)
     # Σ_f c[f, o] = x[unit, o] and Σ_o c[f, o] = y[source, f]: exactly the product for
     # one-hot x and y (memory rows may weigh c negatively), and a tight relaxation
     for unit, source in pairs:
@@ -891,7 +913,10 @@ def integer_program(
         objective = cost / max(float(np.abs(cost).max()), 1e-30)
     matrix = coo_array((values, (rows, cols)), shape=(len(lower), n))
     bounds = Bounds(lower_bounds, upper_bounds)
-    return IntegerProgram(columns, cost, objective, matrix, lower, upper, integrality, bounds)
+    calls = {key: (columns["n", key], terms) for key, terms in bucketed.items()}
+    return IntegerProgram(
+        columns, cost, objective, matrix, lower, upper, integrality, bounds, calls
+    )
 
 
 def _transient_terms(problem: Problem, crossing, u: str, columns) -> dict[str, dict[int, float]]:

@@ -108,8 +108,8 @@ class CommLog:
         for r in self.records:
             if phase is not None and r.phase != phase:
                 continue
-            if node is None or r.node == node:
-                nbytes = r.bytes
+            if node is None or r.node == node or r.node.startswith(f"{node}#"):
+                nbytes = r.bytes  # a node's call, or one of a bucket's
             else:  # its share of a gradient bucket
                 nbytes = sum(b for served, b in r.serves if served == node)
             total += (
