@@ -773,14 +773,18 @@ def integer_program(
     for key in problem.bucket_latency:
         column("n", key)  # calls of the gradient buckets over that axis, of that dtype
     n_integer = len(columns)
-    crossing = {key: c for key, c in problem.crossing.items() if key[3] in problem.options[key[0]]}
+    variants = {
+        u: list(dict.fromkeys(o.variant for o in options)) for u, options in problem.options.items()
+    }
+    crossing = {  # those the options left (a test may leave some out) can take
+        key: c
+        for key, c in problem.crossing.items()
+        if key[3] in problem.options[key[0]] and key[2] in variants[key[1]]
+    }
     # c[unit, source, f, o] = y[source, f]·x[unit, o] for every variant f and option o
     # of each pair that crosses (those with no Crossing cost nothing): the couplings
     # of two one-hot choices, whose sums over f and over o are x and y
     pairs = list(dict.fromkeys((unit, source) for unit, source, _, _ in crossing))
-    variants = {
-        u: list(dict.fromkeys(o.variant for o in options)) for u, options in problem.options.items()
-    }
     for unit, source in pairs:
         for f in variants[source]:
             for option in problem.options[unit]:
