@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
 from autoshard.layout import Layout
 from autoshard.planning.plan import Plan
@@ -19,14 +18,17 @@ from autoshard.runtime.comm import current_mesh, local_part
 
 
 class ShardParameters:
-    """Needs the mesh bound (`autoshard.runtime.comm.bound`): each rank keeps its own part."""
+    """Needs the mesh bound (`autoshard.runtime.comm.bound`): each rank keeps its own part.
+
+    Swaps, in place, each of the program's global tensors for this rank's part (a
+    Parameter stays a Parameter, with its ``requires_grad``; a buffer a buffer), and
+    compiles again only the graphs that ran ops on the meta device."""
 
     def __init__(self, plan: Plan, parameters: dict[str, torch.Tensor]):
         self.plan = plan
         self.parameters = parameters
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        root = torch.nn.Module()
         device = current_mesh().device_mesh.device_type
         for fqn, full in self.parameters.items():
             layout = self.plan.storage.get(fqn) or Layout.replicated(full.ndim)
@@ -35,12 +37,8 @@ class ShardParameters:
                 local = torch.empty(shape, dtype=full.dtype, device=device)
             else:
                 local = local_part(full.detach(), layout.dims).clone()
-            owner = root
-            *path, name = fqn.split(".")
-            for part in path:
-                if not hasattr(owner, part):
-                    owner.add_module(part, torch.nn.Module())
-                owner = getattr(owner, part)
+            path, _, name = fqn.rpartition(".")
+            owner = gm.get_submodule(path)
             if isinstance(full, torch.nn.Parameter):
                 owner.register_parameter(
                     name, torch.nn.Parameter(local, requires_grad=full.requires_grad)
@@ -49,26 +47,23 @@ class ShardParameters:
                 owner.register_buffer(name, local)
         for program in gm.modules():  # the program and its checkpoint regions
             if isinstance(program, fx.GraphModule) and _off_meta(program.graph, device):
-                if program is not gm:  # gm's graph is compiled again below
-                    program.recompile()
-        for node in gm.graph.nodes:  # checkpoint regions and what they call
-            if node.op == "get_attr" and node.target not in self.parameters:
-                value = getattr(gm, node.target)
-                if isinstance(value, torch.nn.Module):
-                    root.add_module(node.target, value)
-                else:
-                    setattr(root, node.target, value)
-        return fx.GraphModule(root, gm.graph, class_name="ParallelProgram")
+                program.recompile()
+        return gm
 
 
 def _off_meta(graph: fx.Graph, device: str) -> bool:
-    """Run on `device` the ops `graph` calls with ``device=meta``; whether there were any."""
-    meta, changed = torch.device("meta"), False
+    """Run on `device` the ops `graph` calls with ``device=meta``; whether there were any.
+    (An op takes a device as an argument of its own, never inside a list.)"""
+    meta = torch.device("meta")
+
+    def moved(a):
+        return torch.device(device) if isinstance(a, torch.device) and a == meta else a
+
+    changed = False
     for node in graph.nodes:
-        moved = pytree.tree_map(
-            lambda a: torch.device(device) if a == meta else a, (node.args, node.kwargs)
-        )
-        if moved != (node.args, node.kwargs):
-            node.args, node.kwargs = moved
+        args = tuple(moved(a) for a in node.args)
+        kwargs = {k: moved(v) for k, v in node.kwargs.items()}
+        if args != node.args or kwargs != node.kwargs:
+            node.args, node.kwargs = args, kwargs
             changed = True
     return changed

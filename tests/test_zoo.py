@@ -3,8 +3,9 @@
 `make test` runs every model under "3d" (`FAST_MODELS`) and 30 under a solved
 tight budget (`FAST_BUDGET`), on 2×2×2 for one SGD step; `make zoo`
 (``pytest -m zoo``) runs every model in the full matrix: every strategy, 1×2×4
-too, bf16, three steps. Each case is compiled once here (`zoo.compile_model`:
-traced, planned and emitted) and applied by every rank, which traces nothing.
+too, bf16, three steps. Each case is compiled once (`zoo.compile_model`: traced,
+planned and emitted, in a process beside this one that keeps ahead of the ranks:
+`zoo.compiling_ahead`) and applied by every rank, which traces nothing.
 A model autoshard refuses must raise the documented error listed in
 `hf_zoo.EXPECTED_ERRORS`; the models the check itself cannot run
 (`hf_zoo.UNCHECKABLE`) are strict expected failures. Plans are the same in
@@ -63,7 +64,7 @@ def _check(name: str, setting: str, mesh, *, steps: int, **tolerance) -> None:
         with pytest.raises(getattr(errors, expected[0])):
             zoo.compile_model(name, mesh, setting)
         return
-    compiled = zoo.compile_model(name, mesh, setting)
+    compiled = zoo.compiled(name, mesh, setting)
     assert_equivalent(zoo.factory(name), mesh, steps=steps, compiled=compiled, **tolerance)
 
 
@@ -89,6 +90,30 @@ def test_zoo_full(name, setting, mesh):
 def test_zoo_bf16(name):
     # bf16 rounds at every op, and the parallel program sums in another order.
     _check(f"{name}_bf16", "3d", (2, 2, 2), steps=3, rtol=3e-2)
+
+
+# The case each test compiles, from its parameters, for `zoo.compiling_ahead`.
+_CASES = {
+    "test_zoo": lambda p: (p["name"], (2, 2, 2), "3d"),
+    "test_zoo_under_a_tight_budget": lambda p: (p["name"], (2, 2, 2), "budget"),
+    "test_zoo_full": lambda p: (p["name"], p["mesh"], p["setting"]),
+    "test_zoo_bf16": lambda p: (f"{p['name']}_bf16", (2, 2, 2), "3d"),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_ahead(request):
+    """Every case this session runs here, compiled in order beside the rank jobs."""
+    planned = [name for name in hf_zoo.MODELS if name not in hf_zoo.EXPECTED_ERRORS]
+    cases = []
+    for item in request.session.items:
+        case = _CASES.get(getattr(item, "originalname", ""))
+        if case is not None and item.callspec.params["name"] not in hf_zoo.EXPECTED_ERRORS:
+            cases.append(case(item.callspec.params))
+        elif getattr(item, "originalname", "") == _HASH_TEST:
+            cases += [(name, (2, 2, 2), "3d") for name in planned]
+    with zoo.compiling_ahead(cases):
+        yield
 
 
 _PLAN_HASHES = """
@@ -131,11 +156,11 @@ def plans_under_another_seed(request):
 
 
 def test_zoo_plans_are_identical_across_hash_seeds(plans_under_another_seed):
-    # This process's plans (made once: `zoo.compile_model`, already there if test_zoo ran)
-    # against another process's, under another seed: a plan that iterates a set or
-    # hashes a name would differ between them.
+    # The plans the tests ran (made once, already there if test_zoo ran) against another
+    # process's, under another seed: a plan that iterates a set or hashes a name would
+    # differ between them.
     planned = [name for name in hf_zoo.MODELS if name not in hf_zoo.EXPECTED_ERRORS]
-    ours = {name: zoo.compile_model(name, (2, 2, 2), "3d").plan_digest for name in planned}
+    ours = {name: zoo.compiled(name, (2, 2, 2), "3d").plan_digest for name in planned}
     # (the child hashes the plan unemitted: emitting must not change it)
     out, err = plans_under_another_seed.communicate(timeout=900)
     assert plans_under_another_seed.returncode == 0, err[-2000:]

@@ -6,12 +6,20 @@ rank processes apply the program compiled here (`parallelize(..., compiled=...)`
 Each case traces its model once, whatever it plans.
 
     >>> compiled = compile_model("bert", (2, 2, 2), "budget")   # "3d", ..., "budget"
+
+Compiling takes one core while the ranks of the case before take both when they run:
+`compiling_ahead` compiles the cases a test session will run in another process, in
+order, so that each is ready when its ranks are free (`compiled` waits for it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import multiprocessing
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -83,3 +91,26 @@ def compile_model(name: str, mesh_shape, setting) -> Compiled:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return Compiled.emitted(traced, plan_model(name, mesh_shape, setting), model)
+
+
+Case = tuple[str, tuple[int, ...], str]  # (model name, mesh shape, setting)
+_ahead: dict[Case, Future] = {}
+
+
+@contextlib.contextmanager
+def compiling_ahead(cases: list[Case]) -> Iterator[None]:
+    """Compile `cases`, in this order, in one other process while the block runs."""
+    worker = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for case in dict.fromkeys(cases):
+            _ahead[case] = worker.submit(compile_model, *case)
+        yield
+    finally:
+        _ahead.clear()
+        worker.shutdown(cancel_futures=True)
+
+
+def compiled(name: str, mesh_shape, setting: str) -> Compiled:
+    """`compile_model(name, mesh_shape, setting)`, from `compiling_ahead` if it has it."""
+    ahead = _ahead.get((name, tuple(mesh_shape), setting))
+    return ahead.result() if ahead is not None else compile_model(name, mesh_shape, setting)
