@@ -92,21 +92,15 @@ def test_unpicklable_job_is_rejected_in_the_caller(rank_pool):
 
 
 def test_dead_or_hung_rank_restarts_the_pool():
-    with RankPool(world_size=2, timeout_s=4.0) as pool:
+    # A job may take 1 s here, less than spawning a worker and importing torch takes: the
+    # pool starts, and restarts, anyway, since start-up waits for start_timeout_s instead.
+    with RankPool(world_size=2, timeout_s=1.0, start_timeout_s=300.0) as pool:
         with pytest.raises(RankError, match=r"ranks \[1\] did not answer") as info:
             pool.run(_crash_or_hang, (2,), "crash")
         assert "rank 1 died with exit code 3" in str(info.value)
         assert pool.run(_crash_or_hang, (1,), "crash") == [0]
 
-        with pytest.raises(RankError, match=r"ranks \[1\] did not answer within 4 s"):
+        with pytest.raises(RankError, match=r"ranks \[1\] did not answer within 1 s"):
             pool.run(_crash_or_hang, (2,), "hang")
         assert pool.run(_axis_sum, (2,), "a") == [1, 1]
     assert pool.closed
-
-
-def test_start_up_has_its_own_timeout():
-    # Spawning a worker and importing torch takes longer than this job limit; the pool
-    # starts anyway, since start-up waits for start_timeout_s instead.
-    with RankPool(world_size=2, timeout_s=0.5, start_timeout_s=300.0) as pool:
-        assert not pool.closed
-        assert pool.timeout_s == 0.5

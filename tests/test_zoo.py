@@ -9,7 +9,9 @@ planned and emitted, in a process beside this one that keeps ahead of the ranks:
 A model autoshard refuses must raise the documented error listed in
 `hf_zoo.EXPECTED_ERRORS`; the models the check itself cannot run
 (`hf_zoo.UNCHECKABLE`) are strict expected failures. Plans are the same in
-processes with different ``PYTHONHASHSEED`` (`test_zoo_plans_are_identical_across_hash_seeds`).
+processes with different ``PYTHONHASHSEED`` (`test_zoo_plans_are_identical_across_hash_seeds`,
+the first model of each family, forced and solved: tracing is most of planning's time,
+and each process traces its own).
 """
 
 from __future__ import annotations
@@ -92,6 +94,13 @@ def test_zoo_bf16(name):
     _check(f"{name}_bf16", "3d", (2, 2, 2), steps=3, rtol=3e-2)
 
 
+# The cases the hash-seed test compares: the first model of each family, forced and solved.
+HASHED = [
+    (name, (2, 2, 2), setting)
+    for name in (family[0] for family in hf_zoo.ZOO.values())
+    if name not in hf_zoo.EXPECTED_ERRORS
+    for setting in ("3d", "budget")
+]
 # The case each test compiles, from its parameters, for `zoo.compiling_ahead`.
 _CASES = {
     "test_zoo": lambda p: (p["name"], (2, 2, 2), "3d"),
@@ -104,14 +113,13 @@ _CASES = {
 @pytest.fixture(scope="module", autouse=True)
 def compiled_ahead(request):
     """Every case this session runs here, compiled in order beside the rank jobs."""
-    planned = [name for name in hf_zoo.MODELS if name not in hf_zoo.EXPECTED_ERRORS]
     cases = []
     for item in request.session.items:
         case = _CASES.get(getattr(item, "originalname", ""))
         if case is not None and item.callspec.params["name"] not in hf_zoo.EXPECTED_ERRORS:
             cases.append(case(item.callspec.params))
         elif getattr(item, "originalname", "") == _HASH_TEST:
-            cases += [(name, (2, 2, 2), "3d") for name in planned]
+            cases += HASHED
     with zoo.compiling_ahead(cases):
         yield
 
@@ -119,11 +127,10 @@ def compiled_ahead(request):
 _PLAN_HASHES = """
 import hashlib, sys
 sys.path.insert(0, {tests!r})
-import hf_zoo, zoo_plans
-for name in hf_zoo.MODELS:
-    if name not in hf_zoo.EXPECTED_ERRORS:
-        plan = zoo_plans.plan_model(name, (2, 2, 2), "3d")
-        print(name, hashlib.sha256(plan.to_json().encode()).hexdigest())
+import zoo_plans
+for name, mesh, setting in {cases!r}:
+    plan = zoo_plans.plan_model(name, mesh, setting)
+    print(name, setting, hashlib.sha256(plan.to_json().encode()).hexdigest())
 """
 _HASH_TEST = "test_zoo_plans_are_identical_across_hash_seeds"
 
@@ -136,13 +143,13 @@ def _another_seed() -> str:
 
 @pytest.fixture(scope="module", autouse=True)
 def plans_under_another_seed(request):
-    """The zoo planned under "3d" by another process with another hash seed, started
+    """The `HASHED` cases planned by another process with another hash seed, started
     with the module (when the hash-seed test is selected) so that it runs beside the
     rank jobs instead of after them."""
     if not any(getattr(item, "originalname", "") == _HASH_TEST for item in request.session.items):
         yield None
         return
-    script = _PLAN_HASHES.format(tests=str(Path(__file__).parent))
+    script = _PLAN_HASHES.format(tests=str(Path(__file__).parent), cases=HASHED)
     run = subprocess.Popen(
         [sys.executable, "-c", script],
         env={**os.environ, "PYTHONHASHSEED": _another_seed()},
@@ -156,15 +163,14 @@ def plans_under_another_seed(request):
 
 
 def test_zoo_plans_are_identical_across_hash_seeds(plans_under_another_seed):
-    # The plans the tests ran (made once, already there if test_zoo ran) against another
-    # process's, under another seed: a plan that iterates a set or hashes a name would
-    # differ between them.
-    planned = [name for name in hf_zoo.MODELS if name not in hf_zoo.EXPECTED_ERRORS]
-    ours = {name: zoo.compiled(name, (2, 2, 2), "3d").plan_digest for name in planned}
-    # (the child hashes the plan unemitted: emitting must not change it)
+    # The plans the tests ran (made once, in `zoo.compiling_ahead`'s process) against
+    # another process's, under another seed: a plan that iterates a set or hashes a name
+    # would differ between them.
+    ours = {(name, setting): zoo.compiled(name, mesh, setting).plan_digest
+            for name, mesh, setting in HASHED}  # fmt: skip
     out, err = plans_under_another_seed.communicate(timeout=900)
     assert plans_under_another_seed.returncode == 0, err[-2000:]
-    theirs = dict(line.split() for line in out.splitlines())
-    assert sorted(theirs) == sorted(planned)
-    differing = [name for name in planned if ours[name] != theirs[name]]
+    theirs = {(name, setting): digest for name, setting, digest in map(str.split, out.splitlines())}
+    assert sorted(theirs) == sorted(ours)
+    differing = sorted(case for case in ours if ours[case] != theirs[case])
     assert not differing, f"plans differ across PYTHONHASHSEED for {differing}"

@@ -61,6 +61,9 @@ _READY = 0  # job id of the message a worker sends once it has joined the proces
 _POLL_S = 0.5  # how often a waiting process checks that its peer is still alive
 _ERROR_GRACE_S = 5.0  # how long to wait for the other ranks once one rank has failed
 _CLOSE_GRACE_S = 5.0  # how long close() lets workers exit on their own before killing them
+# Workers yield the CPU to their parent, which often prepares the next job while they run
+# (ranks outnumber cores, and each one would otherwise get as much CPU as the parent).
+_NICENESS = 10
 
 # A rank's answer to a job: (True, pickled result) or (False, remote traceback text). Workers
 # send it to the parent as (job id, rank, *answer).
@@ -291,6 +294,7 @@ def _worker(
     worker also stops once its parent is gone, so a killed parent leaves no process behind.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    os.nice(_NICENESS)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
