@@ -225,3 +225,23 @@ def arguments():
     target = torch.randint(0, 8, (32,))
     target[::3] = 3  # ignored
     return Arguments(), (torch.randn(8, 4, 16), target)
+
+
+class OffsetNorm(nn.Module):
+    """A layer norm over features far from zero (mean 1000, spread about 1), its weight
+    frozen: statistics combined across ranks must not cancel, and the frozen weight
+    gets no gradient while the bias and the input do."""
+
+    def __init__(self, d_in=8, hidden=32):
+        super().__init__()
+        self.up = nn.Linear(d_in, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.norm.weight.requires_grad_(False)
+        self.down = nn.Linear(hidden, d_in)
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x) + 1000.0))
+
+
+def offset_norm():
+    return OffsetNorm(), (torch.randn(16, 8, requires_grad=True),)

@@ -26,6 +26,18 @@ def test_two_dimensional_input_on_a_cube():
     assert_equivalent(f"{MODELS}:mlp_2d_input", (2, 2, 2), strategy="3d")
 
 
+def test_a_norm_over_split_features_far_from_zero():
+    import autoshard
+
+    model, inputs = autoshard.factory.load_factory(f"{MODELS}:offset_norm")()
+    plan = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    [norm] = [n for n in plan.nodes.values() if n.op == "aten.layer_norm.default"]
+    assert norm.strategy.internal  # its features are split: statistics are combined
+    report = assert_equivalent(f"{MODELS}:offset_norm", (2, 2, 2), strategy="3d")
+    grads = {m.name for m in report if m.what == "grad"}
+    assert {"norm.bias", "input 0"} <= grads
+
+
 def test_a_difference_is_caught():
     # `perturbed_mlp`'s serial reference has one weight off by 1e-3: the check must fail.
     with pytest.raises(AssertionError, match="differs from the serial model"):

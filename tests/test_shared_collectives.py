@@ -38,6 +38,18 @@ def test_plan_shares_conversions_and_buckets_parameter_gradients():
     assert len(plan.predicted_calls()) < 0.75 * len(plain.predicted_calls())
 
 
+def test_a_layer_norm_over_split_features_makes_one_call_per_axis_each_way():
+    model, inputs = load_factory(GPT)()
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d")
+    norms = [n for n in plan.nodes.values() if n.op == "aten.layer_norm.default"]
+    assert norms and all(n.strategy.internal for n in norms)
+    for norm in norms:
+        steps = norm.strategy.internal
+        axes = {s.axis for s in steps}
+        ways = Counter((s.forward_collective, s.backward_collective) for s in steps)
+        assert ways == {("all_gather", "none"): len(axes), ("none", "all_reduce"): len(axes)}
+
+
 def _calls(mesh):
     model, inputs = load_factory(GPT)()
     parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")

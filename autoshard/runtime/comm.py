@@ -230,6 +230,13 @@ def _pair(x, forward, backward, axis, dim, node):
     return _Pair.apply(x, forward, backward, current_mesh().axes[axis], dim, node)
 
 
+def collective(kind: str, x, group: AxisGroup, node: str, *, dim=None, phase: str | None = None):
+    """One logged collective on `group` (taken from the bound mesh in forward), outside
+    autograd: for the backward of an op's own autograd Function, which runs unbound.
+    The phase is the current one (forward, or recompute in a replay) unless given."""
+    return _OPS[kind](x, group, dim, node, phase or _PHASE.get())
+
+
 def all_gather(x, *, axis: str, dim: int, backward: str, node: str):
     """Gather the shards of `dim` over `axis`; backward splits or reduce-scatters."""
     return _pair(x, "all_gather", backward, axis, dim, node)

@@ -17,30 +17,63 @@ from autoshard.runtime import comm
 
 
 def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, ...], node: str):
-    """Layer norm over features split across `axes`: the sums behind mean and variance
-    are all-reduced over those axes (their gradients too, since every rank
-    normalizes its own features with them). The variance is the mean of squares
-    about the mean, one more call: E[x²] − mean² in one call would cancel where the
-    mean is large against the spread."""
-    dims = tuple(range(-normalized_ndim, 0))
-    count = math.prod(x.shape[d] for d in dims) * math.prod(
-        comm.current_mesh().axes[a].size for a in axes
-    )
+    """Layer norm over features split across `axes`, in one collective per axis each way.
 
-    def total(t):
-        for axis in axes:
-            t = comm.all_reduce(t, axis=axis, backward="all_reduce", node=node)
-        return t
+    Forward gathers every rank's mean and sum of squared deviations (M2) of its own
+    features and combines them as Chan et al.'s parallel variance does: exact, with
+    none of the cancellation of E[x²] − mean² where the mean is large against the
+    spread. Backward all-reduces, stacked, the two sums over features that the input's
+    gradient needs. It keeps the normalized input and rstd per row (in the input's
+    dtype), and the weight."""
+    groups = tuple(comm.current_mesh().axes[a] for a in axes)
+    return _ShardedLayerNorm.apply(x, weight, bias, eps, normalized_ndim, groups, node)
 
-    mean = total(x.sum(dims, keepdim=True)) / count
-    centered = x - mean
-    var = total((centered * centered).sum(dims, keepdim=True)) / count
-    out = centered * torch.rsqrt(var + eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out
+
+class _ShardedLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, normalized_ndim, groups, node):
+        dims = tuple(range(-normalized_ndim, 0))
+        count = math.prod(x.shape[d] for d in dims)  # features on this rank, then combined
+        mean = x.mean(dims, keepdim=True)
+        m2 = (x - mean).square().sum(dims, keepdim=True)
+        for group in groups:
+            stats = comm.collective("all_gather", torch.stack([mean, m2]), group, node, dim=0)
+            means, m2s = stats.view(group.size, 2, *mean.shape).unbind(1)
+            mean = means.mean(0)
+            m2 = m2s.sum(0) + count * (means - mean).square().sum(0)
+            count *= group.size
+        rstd = torch.rsqrt(m2 / count + eps)
+        normalized = (x - mean) * rstd
+        needs_x, needs_weight = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(
+            normalized if needs_x or needs_weight else None,
+            rstd if needs_x else None,
+            weight if needs_x else None,
+        )
+        ctx.dims, ctx.count, ctx.groups, ctx.node, ctx.dtype = dims, count, groups, node, x.dtype
+        out = normalized if weight is None else normalized * weight
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        normalized, rstd, weight = ctx.saved_tensors
+        rows = tuple(range(grad.dim() - len(ctx.dims)))
+        needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        grad_x = grad_weight = grad_bias = None
+        if needs_x:
+            g = grad if weight is None else grad * weight
+            sums = torch.stack(
+                [g.sum(ctx.dims, keepdim=True), (g * normalized).sum(ctx.dims, keepdim=True)]
+            )
+            for group in ctx.groups:
+                sums = comm.collective("all_reduce", sums, group, ctx.node, phase="backward")
+            mean_g, mean_gn = (sums / ctx.count).unbind(0)
+            grad_x = (rstd * (g - mean_g - normalized * mean_gn)).to(ctx.dtype)
+        if needs_weight:
+            grad_weight = (grad * normalized).sum(rows)
+        if needs_bias:
+            grad_bias = grad.sum(rows)
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 def dropout(x, p: float, train: bool, *, shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...]):

@@ -1,5 +1,6 @@
-"""Layer norm over sharded features: statistics all-reduced over the feature axes
-(ColossalAI's LayerNorm3D), or features gathered first."""
+"""Layer norm over sharded features: each rank's statistics combined over the feature
+axes, one collective per axis each way (`autoshard.runtime.ops.layer_norm`), or
+features gathered first."""
 
 from __future__ import annotations
 
@@ -45,17 +46,18 @@ def _sharded_features(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.ops.layer_norm` keeps the centered input, rstd per row (in the
-    input's dtype), the normalized input (for the weight's gradient) and the weight
-    (for the input's)."""
+    """`autoshard.runtime.ops.layer_norm` keeps the normalized input (for either
+    gradient), and for the input's, rstd per row (in the input's dtype) and the weight."""
     inputs = tensor_inputs(node)
     x, item = numel(in_shapes[0]), itemsize(inputs[0])
     rows = numel(in_shapes[0][: -len(node.args[1])])
-    weight = (1,) if len(inputs) > 1 and needs_grad[0] else ()
-    return Saved(weight, extra_bytes=(2 * x + rows) * item)
+    needs_x, needs_weight = needs_grad[0], len(inputs) > 1 and needs_grad[1]
+    weight = (1,) if len(inputs) > 1 and needs_x else ()
+    kept = (x if needs_x or needs_weight else 0) + (rows if needs_x else 0)
+    return Saved(weight, extra_bytes=kept * item)
 
 
-# over features split across mesh axes: statistics all-reduced over them
+# over features split across mesh axes: statistics combined over them
 LAYER_NORM = Lowering("layer_norm", _sharded_features, saved=_sharded_features_saved)
 register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)()
 
@@ -71,14 +73,20 @@ def layer_norm(ctx: Context) -> list[Strategy]:
     k = len(argument(ctx.node, "normalized_shape"))
     candidates = []
     itemsize = ctx.inputs[0].meta["val"].element_size()
+    grad_itemsize = ctx.node.meta["val"].element_size()  # the output's, with the weight's
     for dims in (x.dims, x.dims[:-k] + ((),) * k):
         stat_axes = tuple(a for axes in dims[-k:] for a in axes)
         lay = Layout(dims)
-        stat_bytes = math.prod(lay.local_shape(ctx.shape(0), ctx.mesh)[:-k]) * itemsize
+        rows = math.prod(lay.local_shape(ctx.shape(0), ctx.mesh)[:-k])
+        # forward: every rank's (mean, M2), gathered; backward: two sums, all-reduced
         statistics = tuple(
-            Step("all_reduce", axis, None, "all_reduce", stat_bytes, ctx.mesh.size(axis))
-            for _ in ("mean", "variance")
+            step
             for axis in stat_axes
+            for n in (ctx.mesh.size(axis),)
+            for step in (
+                Step("all_gather", axis, 0, "identity", 2 * rows * itemsize * n, n),
+                Step("grad_all_reduce", axis, None, "all_reduce", 2 * rows * grad_itemsize, n),
+            )
         )
         affine = [Layout(dims[-k:])] * (len(ctx.inputs) - 1)
         candidates.append(
@@ -88,7 +96,7 @@ def layer_norm(ctx: Context) -> list[Strategy]:
                 lay,
                 lowering=LAYER_NORM if stat_axes else None,
                 internal=statistics,
-                detail=f"statistics all-reduced over {','.join(stat_axes)}" if stat_axes else "",
+                detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
             )
         )
         if not stat_axes:
