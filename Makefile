@@ -3,6 +3,7 @@
 # torch is pinned to exactly 2.13.0 and installed first: this machine keeps a
 # CPU build of that release on disk, which pip picks for `torch==2.13.0`. An
 # open-ended `torch` requirement would pull a multi-GB CUDA build instead.
+# pip byte-compiles one file at a time; compileall does it on every core.
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -19,8 +20,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install '$(TORCH)'
-	$(PIP) install -e '.[test,hf]'
+	$(PIP) install --no-compile '$(TORCH)'
+	$(PIP) install --no-compile -e '.[test,hf]'
+	$(PY) -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	touch $@
 
 zoo: install
