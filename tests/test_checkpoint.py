@@ -181,14 +181,17 @@ def _serial(factory, steps, dtype=torch.float32):
 
 
 def _close(got: dict, factory, steps):
-    """Every tensor of `got` within fp32's own rounding of the serial run (judged
-    against fp64: AdamW moves near-zero gradients by their rounding noise)."""
+    """Every tensor of `got` within fp32's own rounding of the serial run, judged against
+    fp64. AdamW divides each gradient by its own running RMS, so the rounding noise of a
+    near-zero gradient moves its weight by a fraction of the learning rate whatever the
+    weight's size: the noise scale is the serial fp32 run's largest error over the whole
+    state (a wrong or misplaced optimizer state moves weights by the learning rate)."""
     serial = _serial(factory, steps)[0].state_dict()
     exact = _serial(factory, steps, torch.float64)[0].state_dict()
+    noise = max((serial[name].double() - want).abs().max().item() for name, want in exact.items())
     for name, want in exact.items():
         err = (got[name].double() - want).abs().max().item()
-        own = (serial[name].double() - want).abs().max().item()
-        assert err <= 10 * own + 1e-6 * want.abs().max().item(), (name, err, own)
+        assert err <= 10 * noise, (name, err, noise)
 
 
 def test_a_checkpoint_resumes_on_another_mesh_under_another_plan(rank_pool, tmp_path):

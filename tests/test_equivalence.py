@@ -1,5 +1,5 @@
 """The parallel program equals the serial model: outputs, every gradient, and the
-parameters after the SGD steps (outputs and gradients at every one), on real gloo meshes."""
+parameters after the SGD steps, on real gloo meshes."""
 
 import math
 from pathlib import Path
