@@ -332,7 +332,7 @@ def test_the_returned_plan_is_the_plan_priced(spec, hardware):
     mesh, hw = Mesh.from_shape(MESH), Hardware.load(hardware)
     problem = build_problem(traced, mesh, hw, SPACES["3d"], 2.0)
     floor, top = smallest_peak(problem), problem.evaluate(solve(problem, None))[1]
-    budgets = [floor + (top - floor) * k / 9 for k in range(10)] + [None]
+    budgets = [floor + (top - floor) * k / 5 for k in range(6)] + [None]
     for budget in budgets:
         choice, objective = solve_priced(problem, budget)
         time, peak = problem.evaluate(choice)

@@ -1,7 +1,7 @@
 """Every zoo model (`hf_zoo.py`) equals the serial model on real gloo ranks.
 
-`make test` runs every model under "3d" (`FAST_MODELS`) and 30 under a solved
-tight budget (`FAST_BUDGET`), on 2×2×2 for one SGD step; `make zoo`
+`make test` runs every model under "3d" (`FAST_MODELS`) and the first model of each
+family under a solved tight budget (`FAST_BUDGET`), on 2×2×2 for one SGD step; `make zoo`
 (``pytest -m zoo``) runs every model in the full matrix: every strategy, 1×2×4
 too, bf16, three steps. Each case is compiled once (`zoo.compile_model`: traced,
 planned and emitted, in a process beside this one that keeps ahead of the ranks:
@@ -32,11 +32,9 @@ from autoshard import errors  # noqa: E402
 from autoshard.testing import assert_equivalent  # noqa: E402
 
 FAST_MODELS = hf_zoo.MODELS
-# Under a tight budget in `make test`: 30 models, leaving out near-copies of one kept
-# (`make zoo` runs every model under it, on both meshes).
-NEAR_COPIES = {"roberta", "electra", "mistral", "qwen2", "qwen3", "gemma", "stablelm", "olmo"}
-NEAR_COPIES |= {"pegasus", "marian", "deit", "dinov2", "olmoe"}
-FAST_BUDGET = [name for name in hf_zoo.MODELS if name not in NEAR_COPIES]
+# Under a tight budget in `make test`: the first model of each family (`make zoo` runs
+# every model under it, on both meshes).
+FAST_BUDGET = [family[0] for family in hf_zoo.ZOO.values()]
 FULL = [
     (setting, mesh)
     for setting in ("3d", "3d-allreduce", "replicated", "budget")
@@ -97,7 +95,7 @@ def test_zoo_bf16(name):
 # The cases the hash-seed test compares: the first model of each family, forced and solved.
 HASHED = [
     (name, (2, 2, 2), setting)
-    for name in (family[0] for family in hf_zoo.ZOO.values())
+    for name in FAST_BUDGET
     if name not in hf_zoo.EXPECTED_ERRORS
     for setting in ("3d", "budget")
 ]
