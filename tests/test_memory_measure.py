@@ -1,10 +1,12 @@
 """`measure_memory` measures what autograd saves and the activation peak of a step:
 exactly, on hand-computed cases; and on 8 gloo ranks against the cost model."""
 
+import itertools
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -178,3 +180,39 @@ def test_measured_activation_memory_against_the_prediction_on_2x2x2(capsys):
     # keep one shard between them): a third less is kept.
     before, after = per_rank[0]["3d"].saved_bytes, per_rank[0]["3d, knobs turned"].saved_bytes
     assert after < 0.7 * before
+
+
+class _Norm(nn.Module):
+    def __init__(self, weight: bool, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16)) if weight else None
+        self.bias = nn.Parameter(torch.randn(16)) if bias else None
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x, (16,), self.weight, self.bias)
+
+
+@pytest.mark.parametrize("weight,bias", list(itertools.product([True, False], repeat=2)))
+@pytest.mark.parametrize("grads", ["all", "input", "parameters"])
+def test_a_split_layer_norm_keeps_what_its_rule_says(weight, bias, grads):
+    # The kernel of a layer norm over split features (here over no axis: one rank), for
+    # every set of affine parameters and of tensors that need a gradient.
+    from autoshard.cost.model import saved_bytes
+    from autoshard.runtime.ops import _ShardedLayerNorm
+    from autoshard.strategies.norm import LAYER_NORM
+
+    norm = _Norm(weight, bias)
+    x = torch.randn(4, 16, requires_grad=grads != "parameters")
+    for p in norm.parameters():
+        p.requires_grad_(grads != "input")
+    if not x.requires_grad and not any(p.requires_grad for p in norm.parameters()):
+        pytest.skip("nothing needs a gradient")
+    [node] = [n for n in trace(norm, (x,)).graph_module.graph.nodes if n.op == "call_function"]
+    needs_grad = [x.requires_grad] + [p.requires_grad for p in norm.parameters()]
+    shapes = [(4, 16)] + [(16,)] * len(needs_grad[1:])
+    predicted = saved_bytes(node, shapes, (4, 16), needs_grad=needs_grad, lowering=LAYER_NORM)
+
+    def step():
+        _ShardedLayerNorm.apply(x, norm.weight, norm.bias, 1e-5, 1, (), "norm").sum().backward()
+
+    assert measure_memory(step, exclude=list(norm.parameters())).saved_bytes == predicted

@@ -51,8 +51,9 @@ def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsiz
     inputs = tensor_inputs(node)
     x, item = numel(in_shapes[0]), itemsize(inputs[0])
     rows = numel(in_shapes[0][: -len(node.args[1])])
-    needs_x, needs_weight = needs_grad[0], len(inputs) > 1 and needs_grad[1]
-    weight = (1,) if len(inputs) > 1 and needs_x else ()
+    has_weight = argument(node, "weight") is not None  # else input 1 is the bias, if any
+    needs_x, needs_weight = needs_grad[0], has_weight and needs_grad[1]
+    weight = (1,) if has_weight and needs_x else ()
     kept = (x if needs_x or needs_weight else 0) + (rows if needs_x else 0)
     return Saved(weight, extra_bytes=kept * item)
 
@@ -79,15 +80,13 @@ def layer_norm(ctx: Context) -> list[Strategy]:
         lay = Layout(dims)
         rows = math.prod(lay.local_shape(ctx.shape(0), ctx.mesh)[:-k])
         # forward: every rank's (mean, M2), gathered; backward: two sums, all-reduced
-        statistics = tuple(
-            step
-            for axis in stat_axes
-            for n in (ctx.mesh.size(axis),)
-            for step in (
+        statistics = []
+        for axis in stat_axes:
+            n = ctx.mesh.size(axis)
+            statistics += [
                 Step("all_gather", axis, 0, "identity", 2 * rows * itemsize * n, n),
                 Step("grad_all_reduce", axis, None, "all_reduce", 2 * rows * grad_itemsize, n),
-            )
-        )
+            ]
         affine = [Layout(dims[-k:])] * (len(ctx.inputs) - 1)
         candidates.append(
             make(
@@ -95,7 +94,7 @@ def layer_norm(ctx: Context) -> list[Strategy]:
                 [lay, *affine],
                 lay,
                 lowering=LAYER_NORM if stat_axes else None,
-                internal=statistics,
+                internal=tuple(statistics),
                 detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
             )
         )
