@@ -23,7 +23,11 @@ CASES = [
 
 
 def _differs(got, want) -> bool:
-    return got is None or got.shape != want.shape or not torch.allclose(got, want, 1e-5, 1e-6)
+    # Judged against the tensor's scale: the parallel program sums in another order, so an
+    # element far below the largest one may differ by a few of the largest one's ulps.
+    if got is None or got.shape != want.shape:
+        return True
+    return (got - want).abs().max() > 1e-5 * want.abs().max().clamp_min(1e-6)
 
 
 def _run_modes(device_mesh, cases) -> list[str]:
