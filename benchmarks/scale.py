@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -257,7 +258,8 @@ def main() -> None:
         args.models, args.meshes, args.seqs, args.tokens = ["llama3-70b"], ["8x8x8"], [4096], [0.25]
     warnings.filterwarnings("ignore")  # fallbacks to another family are in the plan
     hardware = Hardware.load("ib-cluster")
-    console = Console()
+    # a file or a pipe gets the whole table, not one squeezed to 80 columns
+    console = Console(width=None if sys.stdout.isatty() else 220)
     table = Table(title="Plans at scale (ib-cluster, fp32 + Adam, meta device, budget 80 GiB)")
     for column in COLUMNS:
         table.add_column(column, justify="right")
