@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 
@@ -15,5 +16,8 @@ def load_factory(spec: str):
     if module_spec is None:
         raise FileNotFoundError(f"no Python file at {path!r}")
     module = importlib.util.module_from_spec(module_spec)
+    # registered as importing would: a dataclass defined under postponed annotations
+    # looks its module up there while the file runs
+    sys.modules[module_spec.name] = module
     module_spec.loader.exec_module(module)
     return getattr(module, name)
