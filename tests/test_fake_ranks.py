@@ -203,7 +203,7 @@ def programs(traced):
 @pytest.mark.parametrize(
     "name, rank",
     [(name, rank) for name, (_, ranks, _) in PLANS.items() for rank in ranks],
-    ids=lambda value: str(value),
+    ids=str,
 )
 def test_a_rank_of_512_emits_the_shapes_it_planned(traced, programs, name, rank):
     model, inputs, graph = traced
