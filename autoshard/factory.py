@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 
@@ -15,5 +16,16 @@ def load_factory(spec: str):
     if module_spec is None:
         raise FileNotFoundError(f"no Python file at {path!r}")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    # Registered while the file runs (a dataclass under postponed annotations looks its
+    # module up in sys.modules), then unregistered: a module of the same name imported
+    # the usual way (`from gpt import GPT`) stays the one pickle finds.
+    previous = sys.modules.get(module_spec.name)
+    sys.modules[module_spec.name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del sys.modules[module_spec.name]
+        else:
+            sys.modules[module_spec.name] = previous
     return getattr(module, name)

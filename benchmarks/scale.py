@@ -23,6 +23,7 @@ last axis inside a node). Per row:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -118,6 +119,19 @@ def build(config: Config, seq: int) -> nn.Module:
     return CausalLM(GPT2LMHeadModel(hf))
 
 
+def meta_model(name: str, layers: int | None = None, batch: int = 64, seq: int = 4096):
+    """Configuration `name` (with `layers` instead of its own depth) built on the meta
+    device, with `batch` sequences of `seq` token ids and labels, also on meta."""
+    config = CONFIGS[name]
+    if layers is not None:
+        config = dataclasses.replace(config, layers=layers)
+    with torch.device("meta"):
+        model = build(config, seq)
+        ids = torch.randint(0, config.vocab, (batch, seq))
+        labels = torch.randint(0, config.vocab, (batch, seq))
+    return model, (ids, labels)
+
+
 def layer_saved_per_token(config: Config) -> int:
     """Elements autograd keeps per token for one layer's backward (its replay, when
     recomputed): attention keeps its norm's input, the projections' input, q, k, v
@@ -168,13 +182,9 @@ def uniform_3d_recomputed(traced, mesh, hardware):
 def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardware) -> list[str]:
     mesh = Mesh.from_shape(tuple(int(s) for s in shape.split("x")))
     tokens = int(tokens_m * 2**20)
-    batch = tokens // seq
-    with torch.device("meta"):
-        model = build(config, seq)
-        ids = torch.randint(0, config.vocab, (batch, seq))
-        labels = torch.randint(0, config.vocab, (batch, seq))
-    _, export_s = timed(torch.export.export, model, (ids, labels), strict=False)
-    traced, trace_s = timed(trace, model, (ids, labels))
+    model, inputs = meta_model(config.name, config.layers, tokens // seq, seq)
+    _, export_s = timed(torch.export.export, model, inputs, strict=False)
+    traced, trace_s = timed(trace, model, inputs)
     params = sum(t.numel() for t in traced.parameters.values() if t.requires_grad)
     devices = math.prod(mesh.sizes)
     start = time.perf_counter()

@@ -12,6 +12,10 @@ from typing import NamedTuple
 
 import torch
 
+# Storage identity that holds for meta and fake tensors too, whose data pointers are all
+# 0 (torch's own passes compare storages by it)
+from torch.multiprocessing.reductions import StorageWeakRef
+
 from autoshard.layout import Layout
 from autoshard.runtime import comm
 
@@ -103,10 +107,10 @@ def keep_shard(op: str, *args, index: int, steps: tuple, node: str):
     shard = args[index]
     gathered = comm.run_steps(shard, steps, node)
     mesh = comm.current_mesh()
-    storage = gathered.untyped_storage().data_ptr()
+    storage = StorageWeakRef(gathered.untyped_storage())
 
     def pack(t):
-        if t.untyped_storage().data_ptr() == storage:  # the operand, or a view of it
+        if StorageWeakRef(t.untyped_storage()) == storage:  # the operand, or a view of it
             return _Shard(shard.detach(), t.size(), t.stride(), t.storage_offset())
         return t
 
