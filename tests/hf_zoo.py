@@ -5,7 +5,10 @@ Every factory returns ``(model, example_inputs)``: 2 layers, hidden 64, vocabula
 where it has one, so an embedding's ``padding_idx`` matters. Decoders run with
 ``use_cache=False`` (a cache is state torch.export cannot return). `ZOO` lists
 them by family; `EXPECTED_ERRORS` names the models autoshard refuses with a
-documented error, and which.
+documented error, and which. `llama`, `gpt2`, `bert_mlm` and `t5` also take `seq`
+(tokens per row, 8 by default) and `mask` (pass the padding's ``attention_mask``
+too), for the memory tests, where what grows with the sequence (attention masks
+and scores) must weigh.
 
 Loaded by path in the rank processes (``tests/hf_zoo.py:bert``).
 """
@@ -50,20 +53,38 @@ def ids(batch: int = BATCH, seq: int = SEQ, pad: int | None = PAD) -> torch.Tens
     return x
 
 
-def causal_lm(model_class, config) -> tuple[nn.Module, tuple]:
+def positions(seq: int) -> int:
+    """The zoo's position table, long enough for `seq` tokens."""
+    return max(32, seq)
+
+
+def causal_lm(model_class, config, seq: int = SEQ, mask: bool = False) -> tuple[nn.Module, tuple]:
     model = model_class(config)  # first: a seed then gives what `init_weights` replays
-    tokens = ids(pad=config.pad_token_id)
-    return Run(model, ("input_ids", "labels"), ("loss",)), (tokens, tokens.clone())
+    tokens = ids(seq=seq, pad=config.pad_token_id)
+    return _run(model, ("input_ids", "labels"), ("loss",), (tokens, tokens.clone()), mask)
 
 
 def encoder(model_class, config, keep=("last_hidden_state",)) -> tuple[nn.Module, tuple]:
     return Run(model_class(config), ("input_ids",), keep), (ids(pad=config.pad_token_id),)
 
 
-def seq2seq(model_class, config) -> tuple[nn.Module, tuple]:
+def seq2seq(model_class, config, seq: int = SEQ, mask: bool = False) -> tuple[nn.Module, tuple]:
     names = ("input_ids", "decoder_input_ids", "labels")
-    labels = ids(pad=None)
-    return Run(model_class(config), names, ("loss",)), (ids(pad=config.pad_token_id), ids(), labels)
+    labels = ids(seq=seq, pad=None)
+    model = model_class(config)
+    inputs = (ids(seq=seq, pad=config.pad_token_id), ids(seq=seq), labels)
+    return _run(model, names, ("loss",), inputs, mask)
+
+
+def _run(model, names, keep, inputs, mask: bool) -> tuple[nn.Module, tuple]:
+    """`Run(model, names, keep)` and `inputs`; with `mask`, the first input's padding
+    mask (1 where a token is not padding, as a tokenizer's ``attention_mask``) is
+    passed too, so that the model builds its attention mask from it."""
+    if not mask:
+        return Run(model, names, keep), inputs
+    padding = (inputs[0] != model.config.pad_token_id).long()
+    names = (names[0], "attention_mask", *names[1:])
+    return Run(model, names, keep), (inputs[0], padding, *inputs[1:])
 
 
 def images(size: int = 16, channels: int = 3) -> torch.Tensor:
@@ -74,8 +95,19 @@ def images(size: int = 16, channels: int = 3) -> torch.Tensor:
 
 
 def bert():
-    config = hf.BertConfig(**SMALL, **NO_DROPOUT, pad_token_id=PAD)
-    return encoder(hf.BertModel, config, ("last_hidden_state", "pooler_output"))
+    return encoder(hf.BertModel, _bert_config(SEQ), ("last_hidden_state", "pooler_output"))
+
+
+def bert_mlm(seq: int = SEQ, mask: bool = False):
+    """BERT with its masked-LM head, its loss on the tokens themselves: one scalar, as
+    a decoder's (an encoder's whole hidden states returned to every rank would
+    outweigh the step's activations)."""
+    return causal_lm(hf.BertForMaskedLM, _bert_config(seq), seq, mask)
+
+
+def _bert_config(seq: int) -> hf.BertConfig:
+    small = dict(SMALL, max_position_embeddings=positions(seq))
+    return hf.BertConfig(**small, **NO_DROPOUT, pad_token_id=PAD)
 
 
 def roberta():
@@ -139,10 +171,10 @@ def convbert():
 # -- decoder-only --------------------------------------------------------------------
 
 
-def gpt2():
+def gpt2(seq: int = SEQ, mask: bool = False):
     config = hf.GPT2Config(
         vocab_size=VOCAB,
-        n_positions=32,
+        n_positions=positions(seq),
         n_embd=64,
         n_layer=2,
         n_head=4,
@@ -154,12 +186,13 @@ def gpt2():
         pad_token_id=PAD,
         use_cache=False,
     )
-    return causal_lm(hf.GPT2LMHeadModel, config)
+    return causal_lm(hf.GPT2LMHeadModel, config, seq, mask)
 
 
-def llama():
-    config = hf.LlamaConfig(**DECODER, num_key_value_heads=2)
-    return causal_lm(hf.LlamaForCausalLM, config)
+def llama(seq: int = SEQ, mask: bool = False):
+    decoder = dict(DECODER, max_position_embeddings=positions(seq))
+    config = hf.LlamaConfig(**decoder, num_key_value_heads=2)
+    return causal_lm(hf.LlamaForCausalLM, config, seq, mask)
 
 
 def mistral():
@@ -308,7 +341,7 @@ SEQ2SEQ = dict(
 )
 
 
-def t5():
+def t5(seq: int = SEQ, mask: bool = False):
     config = hf.T5Config(
         vocab_size=VOCAB,
         d_model=64,
@@ -322,7 +355,7 @@ def t5():
         decoder_start_token_id=PAD,
         use_cache=False,
     )
-    return seq2seq(hf.T5ForConditionalGeneration, config)
+    return seq2seq(hf.T5ForConditionalGeneration, config, seq, mask)
 
 
 def bart():

@@ -2,6 +2,7 @@
 exactly, on hand-computed cases; and on 8 gloo ranks against the cost model."""
 
 import itertools
+import warnings
 from collections import defaultdict
 from functools import partial
 from pathlib import Path
@@ -10,16 +11,20 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from zoo_plans import HARDWARE, tight_budget
 
 import autoshard
+from autoshard.api import Compiled, fingerprint, plan_traced
 from autoshard.cost.hardware import Hardware
 from autoshard.cost.model import node_costs
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import estimate, first_users, own_memory, totals
+from autoshard.planning.options import PlanOptions
 from autoshard.planning.planner import Knobs, plan_graph
-from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
+from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import load_factory, measure_memory
+from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.trace import trace
 
 ROOT = Path(__file__).parents[1]
@@ -87,99 +92,156 @@ def test_the_peak_leaves_out_parameter_gradients():
     assert measured.saved_bytes == 4 * 16 * F32  # x, for W's gradient
 
 
-def _plans() -> dict[str, autoshard.Plan]:
-    """GPT planned five ways on 2×2×2: "3d" and "replicated", each also with every block
-    part recomputed, and "3d" with every layer keeping its input as a shard
-    (re-gathered in backward) and its weight whole."""
-    model, inputs = gpt()
-    traced = trace(model, inputs)
+def hf_model(name: str):
+    """Zoo model `name` (`hf_zoo.py`) at `HF_SEQ` tokens per row, its padding mask passed."""
+    torch.manual_seed(0)
+    return load_factory(f"{ROOT}/tests/hf_zoo.py:{name}")(seq=HF_SEQ, mask=True)
+
+
+HF_MODELS, HF_SEQ = ("llama", "gpt2", "bert_mlm", "t5"), 256
+
+
+def _build(model: str):
+    return gpt() if model == "gpt" else hf_model(model)
+
+
+def _recomputed(traced, mesh: Mesh, family: str) -> autoshard.Plan:
+    """`family`'s plan with every block part recomputed."""
+    plan = plan_graph(traced, mesh, family)
+    units = units_of(traced, plan).items()
+    plan.regions = {name: unit for name, unit in units if unit not in (PROLOGUE, EPILOGUE)}
+    return plan
+
+
+def _plans(traced, families=("3d", "replicated")) -> dict[str, autoshard.Plan]:
+    """The model planned on 2×2×2 under each family, and each with every block part
+    recomputed, and "3d" with every layer keeping its input as a shard (re-gathered
+    in backward) and its weight whole."""
     mesh = Mesh.from_shape(MESH)
     plans = {}
-    for family in ("3d", "replicated"):
+    for family in families:
         plans[family] = plan_graph(traced, mesh, family)
-        recomputed = plan_graph(traced, mesh, family)
-        recomputed.regions = {
-            name: unit
-            for name, unit in units_of(traced, recomputed).items()
-            if unit not in (PROLOGUE, EPILOGUE)
-        }
-        plans[f"{family}, blocks recomputed"] = recomputed
+        plans[f"{family}, blocks recomputed"] = _recomputed(traced, mesh, family)
     layers = [n for n, p in plans["3d"].nodes.items() if p.strategy.split_weight is not None]
     turned = dict.fromkeys(layers, Knobs(split_weight=False, regather=True))
     plans["3d, knobs turned"] = plan_graph(traced, mesh, "3d", knobs=turned)
     return plans
 
 
-def _predicted(plan) -> tuple[int, int]:
+def _predicted(traced, plan) -> tuple[int, int]:
     """(bytes kept from forward to backward, activation peak) the cost model predicts
-    for one rank: each unit keeps its saved activations, a recomputed one its inputs."""
-    model, inputs = gpt()
-    traced = trace(model, inputs)
+    for one rank: each unit keeps its saved activations, a recomputed one its inputs;
+    what many units read counts once (as `estimate` counts it)."""
     hardware = Hardware.load("cpu-gloo")
     costs, users = node_costs(traced, plan, hardware), first_users(traced, plan)
+    units = units_of(traced, plan)
+    resident = kept_resident(traced, plan, units, costs)
     members = defaultdict(list)
-    for name, unit in units_of(traced, plan).items():
+    for name, unit in units.items():
         members[unit].append(name)
     kept = 0
     for names in members.values():
-        total = totals(traced, plan, costs, names, 2.0, users)
+        total = totals(traced, plan, costs, names, 2.0, users, resident)
         kept += own_memory(total, any(name in plan.regions for name in names))[0]
     params = totals(traced, plan, costs, list(plan.nodes), 2.0, users).params
     return kept, estimate(traced, plan, hardware).peak_memory - params
 
 
-def _compiled(plans) -> dict:
-    """Each plan applied to gpt, once here for every rank."""
-    model, inputs = gpt()
-    return {name: autoshard.compile(model, MESH, inputs, plan=plan) for name, plan in plans.items()}
-
-
-def _measured(mesh, programs):
+def _measured(mesh, programs: dict) -> dict:
+    """`measure_memory` of one training step of each program ((model, plan) → Compiled)."""
     out = {}
-    for name, compiled in programs.items():
-        torch.manual_seed(0)
-        model, inputs = gpt()
+    for (model_name, name), compiled in programs.items():
+        model, inputs = _build(model_name)
         parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
-        out[name] = measure_memory(partial(_training_step, parallel, inputs))
+        out[model_name, name] = measure_memory(partial(_training_step, parallel, inputs))
     return out
 
 
 def _training_step(parallel, inputs):
-    parallel(*inputs).backward()
+    loss = parallel(*inputs)
+    (loss[0] if isinstance(loss, tuple) else loss).backward()
 
 
-# Measured on gpt (8×32 tokens, d = 32, vocab 64, 2 layers, p = 0), torch 2.13, fp32,
-# every rank alike: what is kept equals the prediction exactly for all five plans.
-# The activation peak adds, at the unit running at the worst moment, the gradient of
-# its inputs and the transients of its worst node (gathered operands, unreduced
-# result, gradients in flight); when backward frees each buffer is not modelled, so
-# the prediction may miss a little (3d with blocks recomputed: 140 736 B predicted,
-# 144 648 B measured, −2.7%) and, where a replayed unit frees much as its backward
-# proceeds, overshoot (replicated with blocks recomputed: +26%).
-PEAK_BELOW, PEAK_ABOVE = 0.05, 0.30
-
-
-def test_measured_activation_memory_against_the_prediction_on_2x2x2(capsys):
-    plans = _plans()
-    per_rank = shared_pool(8).run(_measured, MESH, _compiled(plans))
-    for name, plan in plans.items():
-        saved, peak = _predicted(plan)
-        measured = [ranks[name] for ranks in per_rank]
+def _compare(per_rank, predictions: dict, capsys) -> None:
+    """Every rank's measurement against the prediction ((model, plan) → (saved, peak)):
+    what is kept exactly, the activation peak within `PEAK_BOUND` either way; a case
+    in `GAPS` must still miss (remove it once the model is fixed)."""
+    for key, (saved, peak) in predictions.items():
+        measured = [ranks[key] for ranks in per_rank]
         m = measured[0]
         with capsys.disabled():
             print(
-                f"\n{name}: saved {m.saved_bytes} B measured, {saved} B predicted "
-                f"({m.saved_bytes / saved - 1:+.2%}); activation peak {m.peak_bytes} B "
-                f"measured, {peak} B predicted ({m.peak_bytes / peak - 1:+.2%})"
+                f"\n{' '.join(key)}: saved {m.saved_bytes} B measured, {saved} B predicted "
+                f"({saved / m.saved_bytes - 1:+.2%}); activation peak {m.peak_bytes} B "
+                f"measured, {peak} B predicted ({peak / m.peak_bytes - 1:+.2%})"
+                + (f" [known gap: {GAPS[key]}]" if key in GAPS else "")
             )
-        assert {m.saved_bytes for m in measured} == {saved}, measured
         # When backward frees a buffer may differ by a few kB between ranks.
-        for m in measured:
-            assert (1 - PEAK_BELOW) * m.peak_bytes <= peak <= (1 + PEAK_ABOVE) * m.peak_bytes
+        exact = all(
+            m.saved_bytes == saved and abs(peak / m.peak_bytes - 1) <= PEAK_BOUND
+            for m in measured
+        )
+        assert exact != (key in GAPS), (key, measured, (saved, peak))
+
+
+# Measured on gpt (8×32 tokens, d = 32, vocab 64, 2 layers, p = 0) and on LLaMA,
+# GPT-2, BERT and T5 (4×256 tokens, padding masked), torch 2.13, fp32, every rank
+# alike: what is kept equals the prediction exactly. The activation peak adds, at the
+# unit running at the worst moment, the gradient of its inputs and the transients of
+# its worst node (gathered operands, unreduced result, gradients in flight); when
+# backward frees each buffer is not modelled, so the prediction may miss a little
+# either way.
+PEAK_BOUND = 0.10
+# Cases the memory model does not predict yet, and how far off it is (see README).
+GAPS = {
+    ("gpt", "replicated, blocks recomputed"): "peak +26%: a replay frees as it goes",
+    ("llama", "3d, blocks recomputed"): "saved +17%",
+    ("llama", "tight budget"): "saved +2%",
+    ("gpt2", "tight budget"): "saved +2%",
+    ("bert_mlm", "tight budget"): "saved +3%",
+    ("t5", "3d"): "peak +12%: math attention's s² transients",
+    ("t5", "3d, blocks recomputed"): "peak +14%",
+    ("t5", "3d, knobs turned"): "saved +4%",
+    ("t5", "tight budget"): "saved +1%, peak +22%",
+}
+
+
+def test_measured_activation_memory_against_the_prediction_on_2x2x2(capsys):
+    model, inputs = gpt()
+    traced = trace(model, inputs)
+    plans = _plans(traced)
+    programs = {
+        ("gpt", name): autoshard.compile(model, MESH, inputs, plan=plan)
+        for name, plan in plans.items()
+    }
+    per_rank = shared_pool(8).run(_measured, MESH, programs)
+    _compare(per_rank, {("gpt", n): _predicted(traced, p) for n, p in plans.items()}, capsys)
     # The saved-input knob keeps 1/d³ of each layer input instead of 1/d² (and q, k, v
     # keep one shard between them): a third less is kept.
-    before, after = per_rank[0]["3d"].saved_bytes, per_rank[0]["3d, knobs turned"].saved_bytes
+    before = per_rank[0]["gpt", "3d"].saved_bytes
+    after = per_rank[0]["gpt", "3d, knobs turned"].saved_bytes
     assert after < 0.7 * before
+
+
+def test_measured_activation_memory_of_hugging_face_models(capsys):
+    # Each model traced once and planned four ways here; every case runs in one rank job.
+    mesh = Mesh.from_shape(MESH)
+    programs, predictions = {}, {}
+    for model_name in HF_MODELS:
+        model, inputs = hf_model(model_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = trace_modes(model, inputs)
+            plans = _plans(traced, ("3d",))
+            budget = tight_budget(traced, mesh)
+            options = PlanOptions.from_user(memory_budget=budget, hardware=HARDWARE)
+            plans["tight budget"] = plan_traced(traced, mesh, options)
+            for name, plan in plans.items():
+                plan.graph = fingerprint(traced)
+                programs[model_name, name] = Compiled.emitted(traced, plan, model)
+                predictions[model_name, name] = _predicted(traced, plan)
+    per_rank = shared_pool(8).run(_measured, MESH, programs)
+    _compare(per_rank, predictions, capsys)
 
 
 class _Norm(nn.Module):

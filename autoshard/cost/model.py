@@ -44,6 +44,7 @@ Memory, in bytes per rank:
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING
 import sympy
 import torch
 from torch import fx
+from torch.ops import aten
 
 from autoshard.cost.hardware import Hardware
 from autoshard.formula import Formula
@@ -383,15 +385,54 @@ def bucket_latency(axis: str, mesh: Mesh, hardware: Hardware) -> float:
     return ALL_REDUCE(0, mesh.size(axis), link.alpha, link.beta)
 
 
+# Ops that return a view of their input where its strides allow one, a copy elsewhere.
+_RESHAPES = (aten.reshape.default, aten.flatten.using_ints, aten.unflatten.int)
+
+
+def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:
+    """The node whose storage `value` views, or None: a view's input, or for one
+    output of a split (a getitem) the split, whose outputs all view its input."""
+    if value.target is operator.getitem:
+        return value.args[0] if _aliases(value.args[0]) else None
+    if _aliases(value) or (value.target in _RESHAPES and _reshape_views(value, plan)):
+        return tensor_inputs(value)[0]
+    return None
+
+
+def _reshape_views(value: fx.Node, plan: Plan) -> bool:
+    """Whether a reshape on this rank returns a view, as `Tensor.view` allows: on the
+    local shapes, with the input's strides in the order the trace gives them (a
+    flash attention's output is laid out [B, S, H, D], so merging its heads back is
+    a view; a key repeated over grouped heads is a view where one key head is local)."""
+    placed = plan.nodes.get(value.name)
+    source = tensor_inputs(value)[0]
+    val = source.meta.get("val")
+    if placed is None or not isinstance(val, torch.Tensor):
+        return False
+    shape = placed.strategy.inputs[0].local_shape(tuple(val.shape), plan.mesh)
+    strides, running = [0] * len(shape), 1
+    for d in sorted(range(len(shape)), key=lambda d: (val.stride(d), -d)):  # innermost first
+        broadcast = val.stride(d) == 0 and val.shape[d] != 1
+        strides[d] = 0 if broadcast else running
+        running *= 1 if broadcast else shape[d]
+    local = torch.empty_strided(shape, strides, dtype=val.dtype, device="meta")
+    try:
+        local.view(placed.strategy.output.local_shape(placed.shape, plan.mesh))
+    except RuntimeError:
+        return False
+    return True
+
+
 def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
     local tensor too, since that tensor came out of the same op on a shard)."""
-    while _aliases(value) and value.name in plan.nodes:
-        if any(plan.nodes[value.name].input_steps):
-            break
-        value = tensor_inputs(value)[0]
-    return value
+    while True:
+        placed = plan.nodes.get(value.name)  # None for a getitem: it has no layout of its own
+        source = _viewed(value, plan)
+        if source is None or (placed is not None and any(placed.input_steps)):
+            return value
+        value = source
 
 
 def storage_of(value: fx.Node, plan: Plan) -> str:
@@ -400,9 +441,15 @@ def storage_of(value: fx.Node, plan: Plan) -> str:
 
 
 def stored_bytes(value: fx.Node, plan: Plan) -> int:
-    """Bytes of `value` on one rank as the plan stores it (0 for what it does not lay out)."""
-    layout = plan.stored_layout(value)
+    """Bytes of `value` on one rank as the plan stores it (0 for what it does not lay out).
+    A split's outputs view one storage: its input, as the split receives it."""
     val = value.meta.get("val")
+    if isinstance(val, (tuple, list)) and _aliases(value) and value.name in plan.nodes:
+        source = tensor_inputs(value)[0]
+        layout = plan.nodes[value.name].strategy.inputs[0]
+        shape = layout.local_shape(tuple(source.meta["val"].shape), plan.mesh)
+        return _numel(shape) * source.meta["val"].element_size()
+    layout = plan.stored_layout(value)
     if layout is None or not hasattr(val, "shape"):
         return 0
     return _numel(layout.local_shape(tuple(val.shape), plan.mesh)) * val.element_size()

@@ -40,7 +40,7 @@ from autoshard.cost.model import (
 )
 from autoshard.planning.collectives import dtype_name
 from autoshard.planning.plan import Plan
-from autoshard.planning.units import resident_values, units_of
+from autoshard.planning.units import kept_resident, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 
@@ -76,7 +76,7 @@ def totals(
 ) -> Totals:
     """Sum the costs of the nodes `names`; a parameter counts with its first user
     (`first_users`: FQN → node name, from `first_users`). An activation many units
-    read (`resident`: storage names, from `resident_values`) counts once, with the
+    read (`resident`: storage names, from `kept_resident`) counts once, with the
     set that makes it, for as long as the step runs; not where it is read."""
     names = list(dict.fromkeys(names))  # ordered: float sums must not depend on hashing
     members = set(names)
@@ -158,7 +158,7 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
     units = units_of(traced, plan)
     for name, unit in units.items():
         members[unit].append(name)
-    resident = resident_values(traced, plan, units)
+    resident = kept_resident(traced, plan, units, costs)
     whole = totals(traced, plan, costs, list(plan.nodes), optimizer, users)
     comm = dict(whole.comm)
     for axis, seconds in costs["output"].forward_comm.items():

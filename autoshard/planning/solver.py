@@ -70,7 +70,7 @@ from autoshard.planning.estimate import Totals, estimate, first_users, own_memor
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
-from autoshard.planning.units import EPILOGUE, PROLOGUE, resident_values, units_of
+from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 SPACES = {
@@ -187,7 +187,7 @@ class Problem:
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)  # unit → its sources
     plans: dict[Variant, Plan] = field(default_factory=dict)  # the whole model in each variant
     unit: dict[str, str] = field(default_factory=dict)  # node name → unit
-    # per variant, what many units read: counted once (`autoshard.planning.units.resident_values`)
+    # per variant, what many units read: counted once (`autoshard.planning.units.kept_resident`)
     resident: dict[Variant, frozenset[str]] = field(default_factory=dict)
     # Per unit and option, a value its knobs keep as stored (the shard that layers
     # regathering one input save): kept once if any of those knobs is on. Its bytes
@@ -279,13 +279,13 @@ def build_problem(
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
         members[u].append(name)
-    resident = {v: resident_values(traced, plan, unit) for v, plan in plans.items()}
+    all_costs = {v: node_costs(traced, plan, hardware) for v, plan in plans.items()}
+    resident = {v: kept_resident(traced, plan, unit, all_costs[v]) for v, plan in plans.items()}
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
     signatures = _Signatures(traced, plans, members)
-    all_costs = {}
     for (family, order), plan in plans.items():
-        costs = all_costs[family, order] = node_costs(traced, plan, hardware)
+        costs = all_costs[family, order]
         users = first_users(traced, plan)
         for u in units:
             key = (family, order, signatures[(family, order), u])

@@ -73,6 +73,20 @@ def resident_values(traced: Traced, plan: Plan, units: dict[str, str]) -> frozen
     return frozenset(s for s in storages if s in plan.nodes)  # inputs count where they enter
 
 
+def kept_resident(traced: Traced, plan: Plan, units: dict[str, str], costs: dict) -> frozenset[str]:
+    """The `resident_values` something keeps for backward (`costs`: `node_costs`): a
+    node keeps it as it is stored (`NodeCost.shared`), or a recomputed unit reads it
+    (a replay keeps its inputs). Any other (a boolean mask that attention keeps only
+    as the additive mask it makes) dies with its last reader's forward, and counts
+    where it enters a unit."""
+    kept = {storage for cost in costs.values() for storage in cost.shared}
+    for name in plan.regions:
+        for inp in traced.nodes[name].all_input_nodes:
+            if inp.op != "get_attr" and units.get(inp.name) != units[name]:
+                kept.add(storage_of(traced.nodes[inp.name], plan))
+    return resident_values(traced, plan, units) & kept
+
+
 def _read_by_many(traced: Traced, plan: Plan, units: dict[str, str]) -> set[str]:
     """Values read by nodes of two or more units other than the one that makes them."""
     readers: dict[str, set[str]] = defaultdict(set)

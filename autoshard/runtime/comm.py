@@ -166,7 +166,7 @@ def _all_gather(x, axis: AxisGroup, dim, node, phase):
     out = moved.new_empty((moved.shape[0] * axis.size, *moved.shape[1:]))
     dist.all_gather_single(out, moved, group=axis.group)
     _record("all_gather", axis, _nbytes(out), node, phase)
-    return out.movedim(0, dim)
+    return _laid_out(out, dim)
 
 
 def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
@@ -174,7 +174,16 @@ def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
     out = moved.new_empty((moved.shape[0] // axis.size, *moved.shape[1:]))
     dist.reduce_scatter_single(out, moved, group=axis.group)
     _record("reduce_scatter", axis, _nbytes(moved), node, phase)
-    return out.movedim(0, dim)
+    return _laid_out(out, dim)
+
+
+def _laid_out(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """`out`, collected along its first dim, with that dim moved back to `dim`, in
+    the row-major layout the serial program's tensor has: a view with `dim`
+    outermost would have kernels that need a unit last stride (CPU flash
+    attention) fall back to slower ones that keep more for backward (the math
+    attention's probabilities)."""
+    return out.movedim(0, dim).contiguous()
 
 
 def _all_reduce(x, axis: AxisGroup, dim, node, phase):

@@ -12,6 +12,7 @@ contraction, and a softmax, which never splits its reduced dim.
 from __future__ import annotations
 
 import sympy
+import torch
 from torch.ops import aten
 
 from autoshard.formula import Formula
@@ -47,12 +48,24 @@ def _attention_backward(node, needs_grad) -> float:
 
 
 def _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """q, k, v (and a mask, if given), the output and an fp32 logsumexp per query
-    (flash and memory-efficient kernels; the math fallback would also keep the s²
-    probabilities)."""
-    queries = numel(in_shapes[0][:-1])
-    inputs = range(len(tensor_inputs(node)))
-    return Saved(tuple(inputs), output=True, extra_bytes=queries * STATISTIC_BYTES)
+    """What torch's CPU and CUDA kernels keep. Flash and memory-efficient attention:
+    q, k, v (and a mask, if given), the output and an fp32 logsumexp per query; a
+    boolean mask is kept as the additive mask torch makes of it, a new tensor of the
+    query's dtype at the (broadcast) shape the mask is passed. A mask that needs a
+    gradient (a learned position bias) takes the math fallback: it keeps v, q and k
+    scaled (new tensors) and the s² probabilities."""
+    inputs = tensor_inputs(node)
+    itemsize = inputs[0].meta["val"].element_size()
+    q, key = in_shapes[0], in_shapes[1]
+    if len(inputs) > 3 and needs_grad[3]:
+        probabilities = numel(q[:-1]) * key[-2] * itemsize
+        return Saved((2,), extra_bytes=(numel(q) + numel(key)) * itemsize + probabilities)
+    extra = numel(q[:-1]) * STATISTIC_BYTES
+    kept = tuple(range(len(inputs)))
+    if len(inputs) > 3 and inputs[3].meta["val"].dtype == torch.bool:
+        kept = kept[:3]
+        extra += numel(in_shapes[3]) * itemsize
+    return Saved(kept, output=True, extra_bytes=extra)
 
 
 def _query_layouts(ctx: Context) -> list[Layout]:

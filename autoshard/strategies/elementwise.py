@@ -4,11 +4,9 @@ input like the ones in `pointwise.py` (every argument acts element by element)."
 from torch.ops import aten
 
 from autoshard.strategies.pointwise import follow
-from autoshard.strategies.registry import register
+from autoshard.strategies.registry import keeps_input, register
 
 ELEMENTWISE = (
-    aten.where.ScalarOther,
-    aten.where.ScalarSelf,
     aten.where.Scalar,
     aten.min.other,
     aten.max.other,
@@ -22,3 +20,5 @@ ELEMENTWISE = (
 )
 
 register(*ELEMENTWISE)(follow)
+# The gradient of the tensor operand is where(condition, grad, 0): the condition is kept.
+register(aten.where.ScalarOther, aten.where.ScalarSelf, saved=keeps_input)(follow)

@@ -221,8 +221,9 @@ def split(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], piece, outputs=(piece,) * pieces)]
 
 
-register(aten.split.Tensor, aten.split_with_sizes.default, free=True)(split)
-register(aten.chunk.default, aten.unbind.int)(split)  # priced as kernels
+# Their outputs view the input's storage (`aliases`): a getitem of one is that storage.
+register(aten.split.Tensor, aten.split_with_sizes.default, free=True, aliases=True)(split)
+register(aten.chunk.default, aten.unbind.int, aliases=True)(split)  # priced as kernels
 
 
 @register(aten.cat.default)
