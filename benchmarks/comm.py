@@ -194,7 +194,7 @@ def _bench(device_mesh, spec, sizes, repeats, steps):
     bare = hand_written(parallel)
     variants = {
         "autoshard": lambda *xs: parallel(*xs),
-        "hand-written 3D": lambda *xs: _bound(parallel, bare, xs),
+        "hand-written 3D": lambda *xs: bare(*xs)[0],
     }
     if "mlp" in spec:
         tp_model, _ = load_factory(spec)(**sizes)
@@ -208,11 +208,6 @@ def _bench(device_mesh, spec, sizes, repeats, steps):
                 seconds = _cpu(run, inputs, steps, backward)
                 times[phase].setdefault(name, []).append(seconds)
     return times, calls, calls_unshared
-
-
-def _bound(parallel, program, inputs):
-    with comm.bound(parallel._mesh):
-        return program(*inputs)[0]
 
 
 def main() -> None:
