@@ -355,6 +355,7 @@ class ParallelModule(torch.nn.Module):
         self.plan = compiled.plan
         self._mesh = mesh
         self._traced_inputs = compiled.inputs
+        self._input_shapes = tuple(spec.shape for spec in compiled.inputs)
         self._signature = forward_signature(model) if model is not None else None
         self._check_calls = check_calls
         self._aliases = compiled.aliases
@@ -410,8 +411,9 @@ class ParallelModule(torch.nn.Module):
     def _check_inputs(self, inputs: list) -> None:
         """Call-time inputs must be what the module was planned for: shapes, dtypes, devices."""
         specs = self._traced_inputs
+        # lists, not generators: torch.compile traces these checks into its guards
         shapes = tuple([tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs])
-        if shapes != tuple([spec.shape for spec in specs]):
+        if shapes != self._input_shapes:
             batch = len(shapes) == len(specs) and all(
                 s is not None and s[1:] == spec.shape[1:] for s, spec in zip(shapes, specs)
             )

@@ -10,9 +10,10 @@ Each is a forward/backward pair (the README's table of conversions); `backward` 
 what the gradient needs, which depends on who consumes the output. `mesh` is this
 rank's `BoundMesh`, an attribute of the program (`passes.BindMesh` puts it there), so
 a call reads no global state and `torch.compile` sees plain constants. The
-collectives are torch's functional collectives (`_functional`), which eager runs
-as c10d calls and torch.compile traces into its graphs (inductor buckets, reorders
-and overlaps them); autograd keeps the axis each used, so backward needs no mesh.
+collectives are c10d calls (`_gathered`, `_scattered`, `_reduce_`), which eager runs
+as they are and torch.compile traces as its functional collectives (inductor buckets,
+reorders and overlaps them); autograd keeps the axis each used, so backward needs no
+mesh.
 
     with autoshard.comm_log() as log:
         model(x).sum().backward()
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
@@ -41,7 +43,6 @@ class AxisGroup:
     group: dist.ProcessGroup
     size: int
     coordinate: int
-    group_name: str  # what the functional collectives take: a string torch.compile guards on
 
 
 class BoundMesh:
@@ -53,9 +54,8 @@ class BoundMesh:
         self.axes = {}
         for i, name in enumerate(mesh.names):
             if mesh.sizes[i] > 1:
-                group = device_mesh.get_group(i)
                 self.axes[name] = AxisGroup(
-                    name, group, mesh.sizes[i], device_mesh.get_local_rank(i), group.group_name
+                    name, device_mesh.get_group(i), mesh.sizes[i], device_mesh.get_local_rank(i)
                 )
 
     def coordinate(self, axis: str) -> int:
@@ -135,8 +135,16 @@ _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", 
 
 def recompute_context():
     """For `torch.utils.checkpoint.checkpoint(context_fn=...)`: the replay in backward
-    logs its collectives as "recompute"."""
+    logs its collectives as "recompute". Under torch.compile (which takes only dispatch
+    modes here, and logs nothing) every op of the region, collectives included, is
+    marked to be recomputed in the compiled backward, as eager replays it."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_recomputed)
     return contextlib.nullcontext(), in_phase("recompute")
+
+
+def _recomputed(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 @contextlib.contextmanager
@@ -160,29 +168,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# torch's functional collectives, the one place autoshard calls them (a private
-# namespace): out of place, each waited on at once; under torch.compile the waits are
-# what inductor moves to overlap communication with compute.
-_functional = torch.ops._c10d_functional
-
-
+# The c10d calls, each on a contiguous tensor. Eager runs them as they are (the
+# cheapest call there is); torch.compile traces each as torch's functional collective
+# (dynamo's `traceable_collective_remaps`), which inductor buckets, reorders and
+# overlaps with compute.
 def _gathered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-    """Every rank's `x` (contiguous) stacked along dim 0."""
-    return _functional.wait_tensor(
-        _functional.all_gather_into_tensor(x, axis.size, axis.group_name)
-    )
+    """Every rank's `x` stacked along dim 0."""
+    out = x.new_empty((x.shape[0] * axis.size, *x.shape[1:]))
+    dist.all_gather_single(out, x, group=axis.group)
+    return out
 
 
 def _scattered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
-    """This rank's part of dim 0 of the sum of every rank's `x` (contiguous)."""
-    return _functional.wait_tensor(
-        _functional.reduce_scatter_tensor(x, "sum", axis.size, axis.group_name)
-    )
+    """This rank's part of dim 0 of the sum of every rank's `x`."""
+    out = x.new_empty((x.shape[0] // axis.size, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=axis.group)
+    return out
 
 
-def _reduced(x: torch.Tensor, axis: AxisGroup, op: str = "sum") -> torch.Tensor:
-    """The elementwise `op` ("sum", "max") of every rank's `x` (contiguous), a new tensor."""
-    return _functional.wait_tensor(_functional.all_reduce(x, op, axis.group_name))
+def _reduce_(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`x`, replaced in place by the elementwise `op` of every rank's `x`."""
+    dist.all_reduce(x, op=op, group=axis.group)
+    return x
 
 
 def _all_gather(x, axis: AxisGroup, dim, node, phase):
@@ -201,7 +208,7 @@ def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
 
 
 def _all_reduce(x, axis: AxisGroup, dim, node, phase):
-    out = _reduced(x.contiguous(), axis)
+    out = _reduce_(x.clone(memory_format=torch.contiguous_format), axis)
     if _logging():
         _record("all_reduce", axis, _nbytes(out), node, phase)
     return out
@@ -307,7 +314,7 @@ class _GradBucket(torch.autograd.Function):
         # serial model, so that optimizers skip it), though it still fills its place in
         # the bucket: every rank sends the same buffer.
         ctx.set_materialize_grads(False)
-        return tuple([t.view_as(t) for t in tensors])
+        return tuple([t.view_as(t) for t in tensors])  # a list: dynamo traces no generator
 
     @staticmethod
     def backward(ctx, *given):
@@ -322,14 +329,13 @@ class _GradBucket(torch.autograd.Function):
         flat = torch.cat([g.reshape(-1) for g in grads])
         calls = ctx.calls or ((ctx.node, _nbytes(flat)),)
         pieces = flat.split([nbytes // flat.element_size() for _, nbytes in calls])
-        reduced, start = [], 0
+        start = 0
         for (name, nbytes), piece in zip(calls, pieces):
-            reduced.append(_reduced(piece, ctx.axis))
+            _reduce_(piece, ctx.axis)
             if _logging():
                 served = _served(ctx.serves, grads, start, start + nbytes)
                 _record("all_reduce", ctx.axis, nbytes, name, "backward", served)
             start += nbytes
-        flat = reduced[0] if len(reduced) == 1 else torch.cat(reduced)
         parts = flat.split([g.numel() for g in grads])
         return (
             None,
@@ -365,7 +371,7 @@ def grad_bucket(
 @torch.no_grad()
 def all_reduce_max(x, group: AxisGroup, node: str):
     """Elementwise maximum over `group` (no gradient: used to stabilize exponentials)."""
-    out = _reduced(x.contiguous(), group, "max")
+    out = _reduce_(x.contiguous().clone(), group, dist.ReduceOp.MAX)
     if _logging():
         _record("all_reduce", group, _nbytes(out), node, None)
     return out
@@ -397,10 +403,7 @@ def gather_full(
     for d in range(len(dims)):
         for axis in reversed(dims[d]):
             group = mesh.axes[axis]
-            moved = out.movedim(d, 0).contiguous()
-            full = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))
-            dist.all_gather_single(full, moved, group=group.group)
-            out = full.movedim(0, d)
+            out = _gathered(out.movedim(d, 0).contiguous(), group).movedim(0, d)
     return out.contiguous()
 
 

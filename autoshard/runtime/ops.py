@@ -36,7 +36,7 @@ def layer_norm(
     spread. Backward all-reduces, stacked, the two sums over features that the input's
     gradient needs. It keeps the normalized input and rstd per row (in the input's
     dtype), and the weight."""
-    groups = tuple([mesh.axes[a] for a in axes])
+    groups = tuple([mesh.axes[a] for a in axes])  # a list: dynamo traces no generator
     return _ShardedLayerNorm.apply(x, weight, bias, eps, normalized_ndim, groups, node)
 
 
@@ -116,6 +116,7 @@ def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
 
 
 @comm.on_mesh
+@torch.compiler.disable  # runs eagerly: dynamo traces no saved-tensor hooks
 def keep_shard(op: str, *args, index: int, steps: tuple, node: str, mesh: comm.BoundMesh):
     """`op(*args)` (an ATen op, by name) on `args[index]` gathered by `steps` (see
     `comm.run_steps`), where autograd keeps the stored shard instead of the gathered
