@@ -35,7 +35,7 @@ from autoshard.runtime.agreement import checksum, ranks_text
 from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.portable import Portable
 from autoshard.tracing.trace import InputSpec, Traced, bind, forward_signature
-from passes import ShardParameters, emit
+from passes import BindMesh, ShardParameters, emit
 
 
 def plan(
@@ -259,8 +259,8 @@ def parallelize(
     parameters = compiled.parameters(model)
     _check_same_on_every_rank(compiled, parameters, example_inputs if check else None)
     bound = comm.BoundMesh(mesh, layout)
-    with comm.bound(bound):
-        program = ShardParameters(compiled.plan, parameters)(compiled.program.build(parameters))
+    program = ShardParameters(compiled.plan, parameters, bound)(compiled.program.build(parameters))
+    program = BindMesh(bound)(program)
     return ParallelModule(program, compiled, bound, model, check_calls=check == "always")
 
 
@@ -355,6 +355,7 @@ class ParallelModule(torch.nn.Module):
         self.plan = compiled.plan
         self._mesh = mesh
         self._traced_inputs = compiled.inputs
+        self._input_shapes = tuple(spec.shape for spec in compiled.inputs)
         self._signature = forward_signature(model) if model is not None else None
         self._check_calls = check_calls
         self._aliases = compiled.aliases
@@ -392,8 +393,7 @@ class ParallelModule(torch.nn.Module):
         self._check_input_grads(inputs)
         if self._check_calls:
             self._check_inputs_agree(inputs)
-        with comm.bound(self._mesh):
-            outputs = self.program(*inputs)
+        outputs = self.program(*inputs)
         return pytree.tree_unflatten(list(outputs), self._out_spec)
 
     def _check_input_grads(self, inputs) -> None:
@@ -411,8 +411,9 @@ class ParallelModule(torch.nn.Module):
     def _check_inputs(self, inputs: list) -> None:
         """Call-time inputs must be what the module was planned for: shapes, dtypes, devices."""
         specs = self._traced_inputs
-        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs)
-        if shapes != tuple(spec.shape for spec in specs):
+        # lists, not generators: torch.compile traces these checks into its guards
+        shapes = tuple([tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in inputs])
+        if shapes != self._input_shapes:
             batch = len(shapes) == len(specs) and all(
                 s is not None and s[1:] == spec.shape[1:] for s, spec in zip(shapes, specs)
             )
@@ -466,15 +467,15 @@ class ParallelModule(torch.nn.Module):
             for fqn, local in tensors.items()
             if local is not None
         }
-        with comm.bound(self._mesh):
-            if rank0_only:  # one gathered tensor in flight at a time: to host on rank 0
-                full = {}
-                for fqn, d in dims.items():
-                    whole = comm.gather_full(tensors[fqn], d)
-                    if keep:
-                        full[fqn] = whole.cpu()
-            else:
-                full = comm.gather_full_many({fqn: (tensors[fqn], d) for fqn, d in dims.items()})
+        if rank0_only:  # one gathered tensor in flight at a time: to host on rank 0
+            full = {}
+            for fqn, d in dims.items():
+                whole = comm.gather_full(tensors[fqn], d, self._mesh)
+                if keep:
+                    full[fqn] = whole.cpu()
+        else:
+            shards = {fqn: (tensors[fqn], d) for fqn, d in dims.items()}
+            full = comm.gather_full_many(shards, self._mesh)
         if not keep:
             return {}
         return {name: full.get(fqn) for fqn in tensors for name in self._aliases.get(fqn, (fqn,))}

@@ -3,6 +3,7 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py            # 5 repeats
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --repeats 3 --steps 5
+    flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --compile --models gpt
 
 - "autoshard": `autoshard.parallelize(model, mesh, inputs, strategy="3d")` on 2×2×2.
 - "hand-written 3D": that very program with every collective call of the emitted code
@@ -13,6 +14,9 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 - "DTensor TP": `parallelize_module` with the Megatron layout (first linear of each
   MLP column-wise, second row-wise) over all 8 ranks; for the MLP stack only (the
   GPT example's attention reshapes by its global head count).
+- "torch.compile" (`--compile`): `torch.compile(parallel)` with inductor, compiled
+  before the timing starts; forward+backward only (a forward under no_grad would
+  compile a second program).
 
 The variants run alternating, `--repeats` times, `--steps` steps each; a ratio is
 taken per repeat on rank 0's process CPU time (gloo ranks on shared cores make
@@ -40,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
 from autoshard.runtime import comm  # noqa: E402
-from autoshard.runtime.ranks import shared_pool  # noqa: E402
+from autoshard.runtime.ranks import RankPool, shared_pool  # noqa: E402
 from autoshard.testing import load_factory  # noqa: E402
 
 MODELS = {
@@ -50,6 +54,7 @@ MODELS = {
     ),
     "GPT example": (f"{ROOT}/examples/gpt.py:gpt", {}),
 }
+COMPILE_TIMEOUT_S = 1800  # 8 inductor compiles at once on a small machine
 
 
 class _Bare(torch.autograd.Function):
@@ -183,7 +188,7 @@ def _calls(parallel, inputs) -> int:
     return len(log.records)
 
 
-def _bench(device_mesh, spec, sizes, repeats, steps):
+def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
     torch.manual_seed(0)
     model, inputs = load_factory(spec)(**sizes)
     parallel = autoshard.parallelize(model, device_mesh, inputs, strategy="3d")
@@ -194,35 +199,41 @@ def _bench(device_mesh, spec, sizes, repeats, steps):
     bare = hand_written(parallel)
     variants = {
         "autoshard": lambda *xs: parallel(*xs),
-        "hand-written 3D": lambda *xs: _bound(parallel, bare, xs),
+        "hand-written 3D": lambda *xs: bare(*xs)[0],
     }
     if "mlp" in spec:
         tp_model, _ = load_factory(spec)(**sizes)
         tp_model.load_state_dict(model.state_dict())
         tp = dtensor_tp(tp_model, device_mesh)
         variants["DTensor TP"] = lambda *xs: tp(*xs)
+    if compiled:
+        variants["torch.compile"] = torch.compile(parallel)
+        _cpu(variants["torch.compile"], inputs, 2, True)  # compiles
     times: dict[str, dict[str, list[float]]] = {"forward": {}, "forward+backward": {}}
     for _ in range(repeats):
         for name, run in variants.items():
             for phase, backward in (("forward", False), ("forward+backward", True)):
+                if name == "torch.compile" and not backward:
+                    continue
                 seconds = _cpu(run, inputs, steps, backward)
                 times[phase].setdefault(name, []).append(seconds)
     return times, calls, calls_unshared
-
-
-def _bound(parallel, program, inputs):
-    with comm.bound(parallel._mesh):
-        return program(*inputs)[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--models", choices=("all", "mlp", "gpt"), default="all")
     args = parser.parse_args()
-    pool = shared_pool(8)
+    pool = RankPool(8, timeout_s=COMPILE_TIMEOUT_S) if args.compile else shared_pool(8)
     for title, (spec, sizes) in MODELS.items():
-        times, calls, before = pool.run(_bench, (2, 2, 2), spec, sizes, args.repeats, args.steps)[0]
+        if args.models != "all" and not spec.endswith(f":{args.models}"):
+            continue
+        times, calls, before = pool.run(
+            _bench, (2, 2, 2), spec, sizes, args.repeats, args.steps, args.compile
+        )[0]
         print(f"\n{title}: {calls} collective calls per step ({before} without shared")
         print("conversions and gradient buckets); CPU time per step on rank 0:")
         for phase, by_variant in times.items():
@@ -234,7 +245,8 @@ def main() -> None:
                 ratios = [a / b for a, b in zip(base, seconds)]
                 print(
                     f"  {phase:17} autoshard / {name:16} min {min(ratios):.3f}  "
-                    f"median {statistics.median(ratios):.3f}"
+                    f"median {statistics.median(ratios):.3f}  "
+                    f"({name} {statistics.median(seconds) * 1e3:.2f} ms)"
                 )
 
 

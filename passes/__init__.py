@@ -2,7 +2,8 @@
 
 A pass never decides: what to do is in the plan. `emit` runs them in order:
 
-    insert collectives → localize → outline checkpoints → (per rank) shard parameters
+    insert collectives → localize → outline checkpoints → (per rank) shard parameters,
+    bind the mesh
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import fx
 
 from autoshard.planning.plan import Plan
 from autoshard.tracing.trace import Traced
+from passes.bind_mesh import BindMesh
 from passes.insert_collectives import InsertCollectives
 from passes.localize import Localize
 from passes.outline_checkpoints import OutlineCheckpoints
@@ -22,11 +24,18 @@ from passes.shard_parameters import ShardParameters
 def emit(traced: Traced, plan: Plan) -> fx.GraphModule:
     """The rank-independent program: collectives inserted, ops localized.
     Its attributes are still the global parameters; `ShardParameters` swaps
-    in each rank's shards."""
+    in each rank's shards, and `BindMesh` gives it the rank's mesh."""
     gm = fx.GraphModule(traced.graph_module, copy.deepcopy(traced.graph_module.graph))
     for rewrite in (InsertCollectives(plan), Localize(plan), OutlineCheckpoints(plan)):
         gm = rewrite(gm)
     return gm
 
 
-__all__ = ["InsertCollectives", "Localize", "OutlineCheckpoints", "ShardParameters", "emit"]
+__all__ = [
+    "BindMesh",
+    "InsertCollectives",
+    "Localize",
+    "OutlineCheckpoints",
+    "ShardParameters",
+    "emit",
+]

@@ -9,6 +9,7 @@ the partial sums are reduced). Model outputs are gathered to replicated.
     linear = aten.linear(x, w, b)
     # after
     all_gather = autoshard.runtime.comm.all_gather(x, axis='b', dim=0, backward=..., ...)
+    (`BindMesh` adds each rank's ``mesh=`` later)
     linear = aten.linear(all_gather, w)
     reduce_scatter = autoshard.runtime.comm.reduce_scatter(linear, axis='c', dim=0, ...)
     add = aten.add(reduce_scatter, b)

@@ -8,8 +8,8 @@ it, collectives included, from its inputs alone:
     checkpoint = torch.utils.checkpoint.checkpoint(recompute_blocks_1, add_4, ...,
         use_reentrant=False, context_fn=recompute_context, early_stop=False)
 
-`recompute_context` (autoshard.runtime.comm) replays on the mesh of the first forward and
-logs the replayed collectives as "recompute".
+`recompute_context` (autoshard.runtime.comm) logs the replayed collectives as
+"recompute".
     getitem = checkpoint[0]
 """
 

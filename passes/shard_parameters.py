@@ -14,29 +14,30 @@ from torch import fx
 
 from autoshard.layout import Layout
 from autoshard.planning.plan import Plan
-from autoshard.runtime.comm import current_mesh, local_part
+from autoshard.runtime.comm import BoundMesh, local_part
 
 
 class ShardParameters:
-    """Needs the mesh bound (`autoshard.runtime.comm.bound`): each rank keeps its own part.
+    """Each rank keeps its own part on `mesh`.
 
     Swaps, in place, each of the program's global tensors for this rank's part (a
     Parameter stays a Parameter, with its ``requires_grad``; a buffer a buffer), and
     compiles again only the graphs that ran ops on the meta device."""
 
-    def __init__(self, plan: Plan, parameters: dict[str, torch.Tensor]):
+    def __init__(self, plan: Plan, parameters: dict[str, torch.Tensor], mesh: BoundMesh):
         self.plan = plan
         self.parameters = parameters
+        self.mesh = mesh
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
-        device = current_mesh().device_mesh.device_type
+        device = self.mesh.device_mesh.device_type
         for fqn, full in self.parameters.items():
             layout = self.plan.storage.get(fqn) or Layout.replicated(full.ndim)
             if full.is_meta:
                 shape = layout.local_shape(full.shape, self.plan.mesh)
                 local = torch.empty(shape, dtype=full.dtype, device=device)
             else:
-                local = local_part(full.detach(), layout.dims).clone()
+                local = local_part(full.detach(), layout.dims, self.mesh).clone()
             path, _, name = fqn.rpartition(".")
             owner = gm.get_submodule(path)
             if isinstance(full, torch.nn.Parameter):

@@ -27,9 +27,9 @@ LAYOUTS = [
 ]
 
 
-def _apply(x, steps):
+def _apply(x, steps, mesh):
     for step in steps:
-        kwargs = {"axis": step.axis, "backward": step.backward, "node": "test"}
+        kwargs = {"axis": step.axis, "backward": step.backward, "node": "test", "mesh": mesh}
         if step.dim is not None:
             kwargs["dim"] = step.dim
         x = comm.STEP_FUNCTIONS[step.kind](x, **kwargs)
@@ -49,22 +49,23 @@ def _check_all_pairs(device_mesh):
     mesh = Mesh.from_device_mesh(device_mesh)
     bound = comm.BoundMesh(device_mesh, mesh)
     failures = []
-    with comm.bound(bound), comm.comm_log() as log:
+    with comm.comm_log() as log:
         for src, dst in itertools.product(LAYOUTS, LAYOUTS):
             generator = torch.Generator().manual_seed(7)
             full = torch.randn(SHAPE, generator=generator)
             weight = torch.randn(SHAPE, generator=generator)
-            local = (comm.local_part(full, src.dims) * _share(bound, src)).requires_grad_()
-            moved = _apply(local, redistribute(src, dst, SHAPE, 4, mesh))
-            expected = comm.local_part(full, dst.dims)
-            whole = _apply(moved, redistribute(dst, Layout.replicated(3), SHAPE, 4, mesh))
+            share = _share(bound, src)
+            local = (comm.local_part(full, src.dims, bound) * share).requires_grad_()
+            moved = _apply(local, redistribute(src, dst, SHAPE, 4, mesh), bound)
+            expected = comm.local_part(full, dst.dims, bound)
+            whole = _apply(moved, redistribute(dst, Layout.replicated(3), SHAPE, 4, mesh), bound)
             (whole * weight).sum().backward()
             # a pending sum may split its parts any way; the round trip checks the total
             if not dst.partial and not torch.allclose(moved, expected, atol=1e-6):
                 failures.append(f"forward {src} → {dst}")
             if not torch.allclose(whole, full, atol=1e-6):
                 failures.append(f"round trip {src} → {dst}")
-            if not torch.allclose(local.grad, comm.local_part(weight, src.dims), atol=1e-6):
+            if not torch.allclose(local.grad, comm.local_part(weight, src.dims, bound), atol=1e-6):
                 failures.append(f"gradient {src} → {dst}")
     return failures, len(log.records)
 

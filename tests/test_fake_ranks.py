@@ -165,7 +165,7 @@ def _check_rank(rank: int, model, inputs, compiled: Compiled, global_shapes) -> 
         checked = set()
         with FakeTensorMode(allow_non_fake_inputs=True):
             fake = [torch.empty(spec.shape, dtype=spec.dtype) for spec in compiled.inputs]
-            with comm.bound(comm.BoundMesh(mesh, plan.mesh)), torch.no_grad():
+            with torch.no_grad():
                 _Shapes(parallel.program, plan, global_shapes, checked).run(*fake)
             with autoshard.comm_log() as log:
                 loss = parallel(*fake)

@@ -25,7 +25,7 @@ from autoshard.mesh import Mesh
 from autoshard.planning.planner import plan_graph
 from autoshard.runtime import comm
 from autoshard.tracing.trace import InputSpec, Traced
-from passes import ShardParameters
+from passes import BindMesh, ShardParameters
 
 CASES_PER_MESH = 200
 MESHES = [(2, 2, 2), (1, 2, 4)]
@@ -204,9 +204,9 @@ def _check_cases(device_mesh, cases, programs: list[Compiled]) -> list[str]:
     failures = []
     for index, ((shape, layout, chain), compiled) in enumerate(zip(cases, programs)):
         parameters = compiled.constants  # the weight: no model holds it
-        with comm.bound(bound):
-            program = compiled.program.build(parameters)
-            program = ShardParameters(compiled.plan, parameters)(program)
+        program = compiled.program.build(parameters)
+        program = ShardParameters(compiled.plan, parameters, bound)(program)
+        program = BindMesh(bound)(program)
         parallel = ParallelModule(program, compiled, bound)
         generator = torch.Generator().manual_seed(10_000 + index)
         x = torch.randn(shape, generator=generator, requires_grad=True)

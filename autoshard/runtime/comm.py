@@ -4,12 +4,16 @@ The emitted program calls these functions by name, so a reader of
 `ParallelModule.code` sees every collective with its axis and its backward:
 
     all_gather = autoshard.runtime.comm.all_gather(x, axis='b', dim=0,
-                                           backward='reduce_scatter', node='linear_1')
+                                           backward='reduce_scatter', node='linear_1', mesh=mesh)
 
 Each is a forward/backward pair (the README's table of conversions); `backward` names
-what the gradient needs, which depends on who consumes the output. The mesh
-is bound for the duration of a call (`bound`), and autograd keeps the
-process group each collective used, so backward needs no binding.
+what the gradient needs, which depends on who consumes the output. `mesh` is this
+rank's `BoundMesh`, an attribute of the program (`passes.BindMesh` puts it there), so
+a call reads no global state and `torch.compile` sees plain constants. The
+collectives are c10d calls (`_gathered`, `_scattered`, `_reduce_`), which eager runs
+as they are and torch.compile traces as its functional collectives (inductor buckets,
+reorders and overlaps them); autograd keeps the axis each used, so backward needs no
+mesh.
 
     with autoshard.comm_log() as log:
         model(x).sum().backward()
@@ -22,10 +26,12 @@ import contextlib
 import contextvars
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
@@ -34,7 +40,7 @@ from autoshard.mesh import Mesh
 @dataclass(frozen=True)
 class AxisGroup:
     name: str
-    group: object
+    group: dist.ProcessGroup
     size: int
     coordinate: int
 
@@ -56,28 +62,13 @@ class BoundMesh:
         return self.axes[axis].coordinate if axis in self.axes else 0
 
 
-_BOUND: contextvars.ContextVar[BoundMesh | None] = contextvars.ContextVar(
-    "autoshard_mesh", default=None
-)
-_LOGS: contextvars.ContextVar[tuple[CommLog, ...]] = contextvars.ContextVar(
-    "autoshard_logs", default=()
-)
+ON_MESH: set[Callable] = set()  # the functions the program calls with `mesh=`
 
 
-@contextlib.contextmanager
-def bound(mesh: BoundMesh):
-    token = _BOUND.set(mesh)
-    try:
-        yield mesh
-    finally:
-        _BOUND.reset(token)
-
-
-def current_mesh() -> BoundMesh:
-    mesh = _BOUND.get()
-    if mesh is None:
-        raise RuntimeError("autoshard collectives run only inside a ParallelModule call")
-    return mesh
+def on_mesh(function: Callable) -> Callable:
+    """Mark `function` as one the program calls with this rank's mesh (`passes.BindMesh`)."""
+    ON_MESH.add(function)
+    return function
 
 
 @dataclass(frozen=True)
@@ -118,15 +109,25 @@ class CommLog:
         return total
 
 
+# The open logs: a plain list, so that a call with none open costs one truth test.
+_OPEN_LOGS: list[CommLog] = []
+
+
 @contextlib.contextmanager
 def comm_log():
-    """Record every collective this rank runs inside the block."""
+    """Record every collective this rank runs eagerly inside the block (a program run
+    by torch.compile is not logged: its collectives are the compiled graph's)."""
     log = CommLog()
-    token = _LOGS.set(_LOGS.get() + (log,))
+    _OPEN_LOGS.append(log)
     try:
         yield log
     finally:
-        _LOGS.reset(token)
+        del _OPEN_LOGS[next(i for i, open_log in enumerate(_OPEN_LOGS) if open_log is log)]
+
+
+def _logging() -> bool:
+    # is_compiling first: a compiled program neither logs nor guards on the open logs
+    return not torch.compiler.is_compiling() and bool(_OPEN_LOGS)
 
 
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", default="forward")
@@ -134,46 +135,75 @@ _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", 
 
 def recompute_context():
     """For `torch.utils.checkpoint.checkpoint(context_fn=...)`: the replay in backward
-    runs on the mesh of the first forward, and its collectives log as "recompute"."""
-    return contextlib.nullcontext(), replaying(current_mesh(), "recompute")
+    logs its collectives as "recompute". Under torch.compile (which takes only dispatch
+    modes here, and logs nothing) every op of the region, collectives included, is
+    marked to be recomputed in the compiled backward, as eager replays it."""
+    if torch.compiler.is_compiling():
+        return create_selective_checkpoint_contexts(_recomputed)
+    return contextlib.nullcontext(), in_phase("recompute")
+
+
+def _recomputed(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_RECOMPUTE
 
 
 @contextlib.contextmanager
-def replaying(mesh: BoundMesh, phase: str):
-    """Run collectives later (in backward) on `mesh`, logged under `phase`."""
+def in_phase(phase: str):
+    """Log the collectives run inside the block under `phase` (a replay in backward)."""
     token = _PHASE.set(phase)
     try:
-        with bound(mesh):
-            yield
+        yield
     finally:
         _PHASE.reset(token)
 
 
-def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str, serves=()) -> None:
-    logs = _LOGS.get()
-    if logs:
-        record = CommRecord(kind, axis.name, axis.size, nbytes, node, phase, serves)
-        for log in logs:
-            log.records.append(record)
+def _record(kind: str, axis: AxisGroup, nbytes: int, node: str, phase: str | None, serves=()):
+    """Log one call in every open log; `phase` None is the current one (`in_phase`)."""
+    record = CommRecord(kind, axis.name, axis.size, nbytes, node, phase or _PHASE.get(), serves)
+    for log in _OPEN_LOGS:
+        log.records.append(record)
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# The c10d calls, each on a contiguous tensor. Eager runs them as they are (the
+# cheapest call there is); torch.compile traces each as torch's functional collective
+# (dynamo's `traceable_collective_remaps`), which inductor buckets, reorders and
+# overlaps with compute.
+def _gathered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """Every rank's `x` stacked along dim 0."""
+    out = x.new_empty((x.shape[0] * axis.size, *x.shape[1:]))
+    dist.all_gather_single(out, x, group=axis.group)
+    return out
+
+
+def _scattered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+    """This rank's part of dim 0 of the sum of every rank's `x`."""
+    out = x.new_empty((x.shape[0] // axis.size, *x.shape[1:]))
+    dist.reduce_scatter_single(out, x, group=axis.group)
+    return out
+
+
+def _reduce_(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """`x`, replaced in place by the elementwise `op` of every rank's `x`."""
+    dist.all_reduce(x, op=op, group=axis.group)
+    return x
+
+
 def _all_gather(x, axis: AxisGroup, dim, node, phase):
-    moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] * axis.size, *moved.shape[1:]))
-    dist.all_gather_single(out, moved, group=axis.group)
-    _record("all_gather", axis, _nbytes(out), node, phase)
+    out = _gathered(x.movedim(dim, 0).contiguous(), axis)
+    if _logging():
+        _record("all_gather", axis, _nbytes(out), node, phase)
     return _laid_out(out, dim)
 
 
 def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
     moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((moved.shape[0] // axis.size, *moved.shape[1:]))
-    dist.reduce_scatter_single(out, moved, group=axis.group)
-    _record("reduce_scatter", axis, _nbytes(moved), node, phase)
+    out = _scattered(moved, axis)
+    if _logging():
+        _record("reduce_scatter", axis, _nbytes(moved), node, phase)
     return _laid_out(out, dim)
 
 
@@ -187,9 +217,9 @@ def _laid_out(out: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _all_reduce(x, axis: AxisGroup, dim, node, phase):
-    out = x.clone(memory_format=torch.contiguous_format)  # one copy, reduced in place
-    dist.all_reduce(out, group=axis.group)
-    _record("all_reduce", axis, _nbytes(out), node, phase)
+    out = _reduce_(x.clone(memory_format=torch.contiguous_format), axis)
+    if _logging():
+        _record("all_reduce", axis, _nbytes(out), node, phase)
     return out
 
 
@@ -221,7 +251,7 @@ class _Pair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, forward, backward, axis, dim, node):
         ctx.backward, ctx.axis, ctx.dim, ctx.node = backward, axis, dim, node
-        return _OPS[forward](x, axis, dim, node, _PHASE.get())
+        return _OPS[forward](x, axis, dim, node, None)
 
     @staticmethod
     def backward(ctx, grad):
@@ -235,45 +265,49 @@ class _Pair(torch.autograd.Function):
         )
 
 
-def _pair(x, forward, backward, axis, dim, node):
-    return _Pair.apply(x, forward, backward, current_mesh().axes[axis], dim, node)
-
-
 def collective(kind: str, x, group: AxisGroup, node: str, *, dim=None, phase: str | None = None):
-    """One logged collective on `group` (taken from the bound mesh in forward), outside
-    autograd: for the backward of an op's own autograd Function, which runs unbound.
-    The phase is the current one (forward, or recompute in a replay) unless given."""
-    return _OPS[kind](x, group, dim, node, phase or _PHASE.get())
+    """One logged collective on `group`, outside autograd: for an op's own autograd
+    Function. The phase is the current one (forward, or recompute in a replay) unless
+    given."""
+    return _OPS[kind](x, group, dim, node, phase)
 
 
-def all_gather(x, *, axis: str, dim: int, backward: str, node: str):
+@on_mesh
+def all_gather(x, *, axis: str, dim: int, backward: str, node: str, mesh: BoundMesh):
     """Gather the shards of `dim` over `axis`; backward splits or reduce-scatters."""
-    return _pair(x, "all_gather", backward, axis, dim, node)
+    return _Pair.apply(x, "all_gather", backward, mesh.axes[axis], dim, node)
 
 
-def reduce_scatter(x, *, axis: str, dim: int, backward: str = "all_gather", node: str):
+@on_mesh
+def reduce_scatter(
+    x, *, axis: str, dim: int, backward: str = "all_gather", node: str, mesh: BoundMesh
+):
     """Sum the partial values over `axis`, keeping this rank's part of `dim`."""
-    return _pair(x, "reduce_scatter", backward, axis, dim, node)
+    return _Pair.apply(x, "reduce_scatter", backward, mesh.axes[axis], dim, node)
 
 
-def all_reduce(x, *, axis: str, backward: str, node: str):
+@on_mesh
+def all_reduce(x, *, axis: str, backward: str, node: str, mesh: BoundMesh):
     """Sum the partial values over `axis`; backward is identity or all-reduce."""
-    return _pair(x, "all_reduce", backward, axis, None, node)
+    return _Pair.apply(x, "all_reduce", backward, mesh.axes[axis], None, node)
 
 
-def split(x, *, axis: str, dim: int, backward: str = "all_gather", node: str):
+@on_mesh
+def split(x, *, axis: str, dim: int, backward: str = "all_gather", node: str, mesh: BoundMesh):
     """Keep this rank's part of a replicated `dim` (free); backward all-gathers."""
-    return _pair(x, "split", backward, axis, dim, node)
+    return _Pair.apply(x, "split", backward, mesh.axes[axis], dim, node)
 
 
-def grad_all_reduce(x, *, axis: str, backward: str = "all_reduce", node: str):
+@on_mesh
+def grad_all_reduce(x, *, axis: str, backward: str = "all_reduce", node: str, mesh: BoundMesh):
     """Identity whose backward all-reduces: a replicated value entering split work."""
-    return _pair(x, "identity", backward, axis, None, node)
+    return _Pair.apply(x, "identity", backward, mesh.axes[axis], None, node)
 
 
-def to_partial(x, *, axis: str, backward: str = "identity", node: str):
+@on_mesh
+def to_partial(x, *, axis: str, backward: str = "identity", node: str, mesh: BoundMesh):
     """A replicated value as a pending sum: kept on coordinate 0, zero elsewhere."""
-    return _pair(x, "mask", backward, axis, None, node)
+    return _Pair.apply(x, "mask", backward, mesh.axes[axis], None, node)
 
 
 class _GradBucket(torch.autograd.Function):
@@ -284,30 +318,30 @@ class _GradBucket(torch.autograd.Function):
     @staticmethod
     def forward(ctx, axis, node, serves, calls, *tensors):
         ctx.axis, ctx.node, ctx.serves, ctx.calls = axis, node, serves, calls
-        ctx.like = [torch.empty_like(t, device="meta") for t in tensors]
+        ctx.like = [(t.shape, t.dtype) for t in tensors]
         # A tensor no output of the program reads gets no gradient (None, as in the
         # serial model, so that optimizers skip it), though it still fills its place in
         # the bucket: every rank sends the same buffer.
         ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple([t.view_as(t) for t in tensors])  # a list: dynamo traces no generator
 
     @staticmethod
     def backward(ctx, *given):
         unused = [g is None for g in given]
         if all(unused):
             return None, None, None, None, *given
-        device = next(g.device for g in given if g is not None)
+        device = [g.device for g in given if g is not None][0]
         grads = [
-            torch.zeros(like.shape, dtype=like.dtype, device=device) if g is None else g
-            for g, like in zip(given, ctx.like)
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype) in zip(given, ctx.like)
         ]
         flat = torch.cat([g.reshape(-1) for g in grads])
         calls = ctx.calls or ((ctx.node, _nbytes(flat)),)
         pieces = flat.split([nbytes // flat.element_size() for _, nbytes in calls])
         start = 0
         for (name, nbytes), piece in zip(calls, pieces):
-            dist.all_reduce(piece, group=ctx.axis.group)
-            if _LOGS.get():
+            _reduce_(piece, ctx.axis)
+            if _logging():
                 served = _served(ctx.serves, grads, start, start + nbytes)
                 _record("all_reduce", ctx.axis, nbytes, name, "backward", served)
             start += nbytes
@@ -317,7 +351,7 @@ class _GradBucket(torch.autograd.Function):
             None,
             None,
             None,
-            *(None if skip else p.view_as(g) for p, g, skip in zip(parts, grads, unused)),
+            *[None if skip else p.view_as(g) for p, g, skip in zip(parts, grads, unused)],
         )
 
 
@@ -333,20 +367,22 @@ def _served(serves, grads, start: int, stop: int) -> tuple[tuple[str, int], ...]
     return tuple(out.items())
 
 
-def grad_bucket(tensors, *, axis: str, node: str, serves: tuple[str, ...], calls=None):
+@on_mesh
+def grad_bucket(
+    tensors, *, axis: str, node: str, serves: tuple[str, ...], calls=None, mesh: BoundMesh
+):
     """`tensors` unchanged; backward all-reduces their gradients over `axis` in one call
     (a bucket named `node`; ``serves[k]`` is the node that reads ``tensors[k]``), or,
     for a bucket larger than one call, in `calls`: (name, bytes) of each, in order."""
-    return _GradBucket.apply(current_mesh().axes[axis], node, serves, calls, *tensors)
+    return _GradBucket.apply(mesh.axes[axis], node, serves, calls, *tensors)
 
 
 @torch.no_grad()
-def all_reduce_max(x, *, axis: str, node: str):
-    """Elementwise maximum over `axis` (no gradient: used to stabilize exponentials)."""
-    group = current_mesh().axes[axis]
-    out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group.group)
-    _record("all_reduce", group, _nbytes(out), node, _PHASE.get())
+def all_reduce_max(x, group: AxisGroup, node: str):
+    """Elementwise maximum over `group` (no gradient: used to stabilize exponentials)."""
+    out = _reduce_(x.contiguous().clone(), group, dist.ReduceOp.MAX)
+    if _logging():
+        _record("all_reduce", group, _nbytes(out), node, None)
     return out
 
 
@@ -360,25 +396,23 @@ STEP_FUNCTIONS = {
 }
 
 
-def run_steps(x, steps: tuple[tuple[str, dict], ...], node: str):
+def run_steps(x, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh):
     """Apply `steps`, each (kind, keyword arguments of its function in STEP_FUNCTIONS)."""
     for kind, kwargs in steps:
-        x = STEP_FUNCTIONS[kind](x, node=node, **kwargs)
+        x = STEP_FUNCTIONS[kind](x, node=node, mesh=mesh, **kwargs)
     return x
 
 
 @torch.no_grad()
-def gather_full(local: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch.Tensor:
+def gather_full(
+    local: torch.Tensor, dims: tuple[tuple[str, ...], ...], mesh: BoundMesh
+) -> torch.Tensor:
     """The global tensor from this rank's shard (a collective over the sharding axes)."""
-    mesh = current_mesh()
     out = local
     for d in range(len(dims)):
         for axis in reversed(dims[d]):
             group = mesh.axes[axis]
-            moved = out.movedim(d, 0).contiguous()
-            full = moved.new_empty((moved.shape[0] * group.size, *moved.shape[1:]))
-            dist.all_gather_single(full, moved, group=group.group)
-            out = full.movedim(0, d)
+            out = _gathered(out.movedim(d, 0).contiguous(), group).movedim(0, d)
     return out.contiguous()
 
 
@@ -387,14 +421,13 @@ GATHER_BYTES = 64 << 20  # the most bytes one `gather_full_many` collective brin
 
 @torch.no_grad()
 def gather_full_many(
-    shards: dict[str, tuple[torch.Tensor, tuple[tuple[str, ...], ...]]],
+    shards: dict[str, tuple[torch.Tensor, tuple[tuple[str, ...], ...]]], mesh: BoundMesh
 ) -> dict[str, torch.Tensor]:
     """Each global tensor from this rank's shard of it (name → (shard, its split dims)),
     in as few all-gathers over the whole mesh as `GATHER_BYTES` allows: every rank
     sends its shards as one byte buffer, and each tensor is laid together from the
     pieces at the offsets each rank's coordinate gives (`Layout.shard_slices`), not
     one all-gather per tensor and axis. A tensor no axis splits is returned as it is."""
-    mesh = current_mesh()
     world = mesh.device_mesh.mesh
     out, batch, size = {}, [], 0
     for name, (shard, dims) in shards.items():
@@ -443,9 +476,10 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def local_part(full: torch.Tensor, dims: tuple[tuple[str, ...], ...]) -> torch.Tensor:
+def local_part(
+    full: torch.Tensor, dims: tuple[tuple[str, ...], ...], mesh: BoundMesh
+) -> torch.Tensor:
     """This rank's shard of a global tensor (no communication)."""
-    mesh = current_mesh()
     out = full
     for d, axes in enumerate(dims):
         for axis in axes:

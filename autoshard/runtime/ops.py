@@ -20,7 +20,18 @@ from autoshard.layout import Layout
 from autoshard.runtime import comm
 
 
-def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, ...], node: str):
+@comm.on_mesh
+def layer_norm(
+    x,
+    weight,
+    bias,
+    eps,
+    *,
+    normalized_ndim: int,
+    axes: tuple[str, ...],
+    node: str,
+    mesh: comm.BoundMesh,
+):
     """Layer norm over features split across `axes`, in one collective per axis each way.
 
     Forward gathers every rank's mean and sum of squared deviations (M2) of its own
@@ -29,7 +40,7 @@ def layer_norm(x, weight, bias, eps, *, normalized_ndim: int, axes: tuple[str, .
     spread. Backward all-reduces, stacked, the two sums over features that the input's
     gradient needs. It keeps the normalized input and rstd per row (in the input's
     dtype), and the weight."""
-    groups = tuple(comm.current_mesh().axes[a] for a in axes)
+    groups = tuple([mesh.axes[a] for a in axes])  # a list: dynamo traces no generator
     return _ShardedLayerNorm.apply(x, weight, bias, eps, normalized_ndim, groups, node)
 
 
@@ -37,7 +48,7 @@ class _ShardedLayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, normalized_ndim, groups, node):
         dims = tuple(range(-normalized_ndim, 0))
-        count = math.prod(x.shape[d] for d in dims)  # features on this rank, then combined
+        count = math.prod([x.shape[d] for d in dims])  # features on this rank, then combined
         mean = x.mean(dims, keepdim=True)
         m2 = (x - mean).square().sum(dims, keepdim=True)
         for group in groups:
@@ -80,7 +91,16 @@ class _ShardedLayerNorm(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
-def dropout(x, p: float, train: bool, *, shape: tuple[int, ...], dims: tuple[tuple[str, ...], ...]):
+@comm.on_mesh
+def dropout(
+    x,
+    p: float,
+    train: bool,
+    *,
+    shape: tuple[int, ...],
+    dims: tuple[tuple[str, ...], ...],
+    mesh: comm.BoundMesh,
+):
     """Dropout whose mask is drawn for the global `shape` and cut to this rank's part,
     so the parallel program drops exactly what the serial one drops from the
     same random state (the same generator calls in the same order)."""
@@ -89,7 +109,7 @@ def dropout(x, p: float, train: bool, *, shape: tuple[int, ...], dims: tuple[tup
     if p == 1:
         return x * torch.zeros_like(x)
     noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
-    return x * comm.local_part(noise, dims).clone()  # keep only the local part alive
+    return x * comm.local_part(noise, dims, mesh).clone()  # keep only the local part alive
 
 
 def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
@@ -99,14 +119,15 @@ def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
     return out * scale
 
 
-def keep_shard(op: str, *args, index: int, steps: tuple, node: str):
+@comm.on_mesh
+@torch.compiler.disable  # runs eagerly: dynamo traces no saved-tensor hooks
+def keep_shard(op: str, *args, index: int, steps: tuple, node: str, mesh: comm.BoundMesh):
     """`op(*args)` (an ATen op, by name) on `args[index]` gathered by `steps` (see
     `comm.run_steps`), where autograd keeps the stored shard instead of the gathered
     operand and backward gathers it again (its collectives log as "backward"): a layer
     that saves 1/d³ of its input instead of 1/d², for one more all-gather."""
     shard = args[index]
-    gathered = comm.run_steps(shard, steps, node)
-    mesh = comm.current_mesh()
+    gathered = comm.run_steps(shard, steps, node, mesh)
     storage = StorageWeakRef(gathered.untyped_storage())
 
     def pack(t):
@@ -117,8 +138,8 @@ def keep_shard(op: str, *args, index: int, steps: tuple, node: str):
     def unpack(packed):
         if not isinstance(packed, _Shard):
             return packed
-        with torch.no_grad(), comm.replaying(mesh, "backward"):
-            full = comm.run_steps(packed.shard, steps, node)
+        with torch.no_grad(), comm.in_phase("backward"):
+            full = comm.run_steps(packed.shard, steps, node, mesh)
         return full.as_strided(packed.size, packed.stride, packed.offset)
 
     namespace, name, overload = op.split(".")
@@ -134,23 +155,29 @@ class _Shard(NamedTuple):
     offset: int
 
 
-def _chunk_start(size: int, axes: tuple[str, ...]) -> tuple[int, int]:
+def _chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:
     """(first index, length) of this rank's chunk of a dim of `size` split over `axes`
     (`Layout.shard_slices`, the one place that computes a rank's offsets)."""
-    mesh = comm.current_mesh()
     coord = {axis: mesh.coordinate(axis) for axis in axes}
     [(start, stop)] = Layout((axes,)).shard_slices((size,), mesh.mesh, coord)
     return start, stop - start
 
 
+@comm.on_mesh
 def vocab_embedding(
-    weight, ids, *, vocab_size: int, vocab_axes: tuple[str, ...], padding_idx: int = -1
+    weight,
+    ids,
+    *,
+    vocab_size: int,
+    vocab_axes: tuple[str, ...],
+    padding_idx: int = -1,
+    mesh: comm.BoundMesh,
 ):
     """Look up the ids in this rank's rows of the table; zeros for ids held elsewhere.
     The result is this rank's share of a sum over `vocab_axes`. Global row
     `padding_idx` (negative: none) gets no gradient: on the rank that holds it, it
     is the local padding row; ids held elsewhere read local row 0, masked to zero."""
-    start, length = _chunk_start(vocab_size, vocab_axes)
+    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
     local = ids - start
     held = (local >= 0) & (local < length)
     local_padding = padding_idx - start if 0 <= padding_idx - start < length else -1
@@ -158,6 +185,7 @@ def vocab_embedding(
     return rows * held.unsqueeze(-1).to(rows.dtype)
 
 
+@comm.on_mesh
 def cross_entropy(
     logits,
     target,
@@ -168,41 +196,44 @@ def cross_entropy(
     node: str,
     ignore_index: int = -100,
     reduction: int = 1,
+    mesh: comm.BoundMesh,
 ):
     """Mean (reduction=1) or sum (2) cross-entropy of [tokens, vocab] logits whose
     vocabulary is split over `vocab_axes` and tokens over `token_axes`. Backward
     needs no collective, and keeps only the local softmax (one logits-sized tensor)
     and a few values per token."""
+    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
+    vocab_groups = tuple([mesh.axes[a] for a in vocab_axes])
+    token_groups = tuple([mesh.axes[a] for a in token_axes])
     return _VocabParallelCrossEntropy.apply(
-        logits, target, vocab_size, vocab_axes, token_axes, node, ignore_index, reduction
+        logits, target, start, length, vocab_groups, token_groups, node, ignore_index, reduction
     )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size, vocab_axes, token_axes, node, ignore, reduction):
-        def total(t, axes):
-            for axis in axes:
-                t = comm.all_reduce(t, axis=axis, backward="identity", node=node)
+    def forward(ctx, logits, target, start, length, vocab_groups, token_groups, node, ignore, red):
+        def total(t, groups):
+            for group in groups:
+                t = comm.collective("all_reduce", t, group, node)
             return t
 
         row_max = logits.max(dim=-1).values
-        for axis in vocab_axes:
-            row_max = comm.all_reduce_max(row_max, axis=axis, node=node)
+        for group in vocab_groups:
+            row_max = comm.all_reduce_max(row_max, group, node)
         shifted = logits - row_max.unsqueeze(-1)
         probs = shifted.exp()
-        start, length = _chunk_start(vocab_size, vocab_axes)
         local = target - start
         held = (local >= 0) & (local < length)
         index = (local * held).unsqueeze(-1)
         target_logit = shifted.gather(-1, index).squeeze(-1) * held
-        sum_exp, target_logit = total(torch.stack([probs.sum(-1), target_logit]), vocab_axes)
+        sum_exp, target_logit = total(torch.stack([probs.sum(-1), target_logit]), vocab_groups)
         valid = target != ignore
         loss = ((torch.log(sum_exp) - target_logit) * valid).sum()
-        if reduction == 1:  # the mean's divisor travels with the sum
-            loss, count = total(torch.stack([loss, valid.sum().to(logits.dtype)]), token_axes)
+        if red == 1:  # reduction "mean": the divisor travels with the sum
+            loss, count = total(torch.stack([loss, valid.sum().to(logits.dtype)]), token_groups)
         else:
-            loss, count = total(loss, token_axes), None
+            loss, count = total(loss, token_groups), None
         probs /= sum_exp.unsqueeze(-1)  # the softmax of this rank's slice of the vocabulary
         ctx.save_for_backward(probs, index, held, valid, count)
         return loss if count is None else loss / count
@@ -212,4 +243,4 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         probs, index, held, valid, count = ctx.saved_tensors
         scale = grad / count if count is not None else grad
         out = probs.scatter_add(-1, index, -held.unsqueeze(-1).to(probs.dtype))
-        return out.mul_((valid.to(probs.dtype) * scale).unsqueeze(-1)), *([None] * 7)
+        return out.mul_((valid.to(probs.dtype) * scale).unsqueeze(-1)), *([None] * 8)
