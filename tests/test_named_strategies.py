@@ -7,11 +7,22 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 import autoshard
+from autoshard.cost.hardware import Hardware
 from autoshard.layout import Layout
+from autoshard.mesh import Mesh
+from autoshard.planning.solver import (
+    SPACES,
+    build_problem,
+    plan_choice,
+    smallest_peak,
+    solve,
+)
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.trace import trace
 
 ROOT = Path(__file__).parents[1]
 GPT, LLAMA = f"{ROOT}/examples/gpt.py:gpt", f"{ROOT}/examples/llama.py:llama"
@@ -33,7 +44,7 @@ COLUMN, ROW = Layout((("c",), ())), Layout(((), ("c",)))  # a weight [out, in] o
         (f"{MODELS}:gpt_batch8", (2, 2, 2), {"*": "dp", "blocks.*.mlp.*": "megatron"}),
         (f"{ROOT}/tests/hf_zoo.py:llama", (2, 2, 2), "megatron"),
     ],
-    ids=lambda v: v.rpartition(":")[2] if isinstance(v, str) else str(v),
+    ids=lambda v: Path(v).name.replace(".py", "") if isinstance(v, str) else str(v),
 )
 def test_named_strategies_match_serial(factory, mesh, strategy):
     report = assert_equivalent(factory, mesh, strategy=strategy)
@@ -122,9 +133,10 @@ def test_dp_replicates_every_parameter_and_reduces_only_gradients():
 def _logged(mesh, cases):
     """Each case's logged calls, and the calls its plan predicts."""
     out = []
-    for factory, strategy in cases:
+    for factory, compiled in cases:
+        torch.manual_seed(0)  # as the test process built it
         model, inputs = load_factory(factory)()
-        parallel = autoshard.parallelize(model, mesh, inputs, strategy=strategy)
+        parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
         with autoshard.comm_log() as log:
             parallel(*inputs).backward()
         logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
@@ -137,6 +149,23 @@ def _logged(mesh, cases):
 
 def test_the_comm_log_is_the_predicted_calls():
     cases = [(GPT, "megatron"), (LLAMA, "megatron"), (f"{MODELS}:llama_batch8", "dp")]
-    for rank in shared_pool(8).run(_logged, (2, 2, 2), cases):
+    compiled = []
+    for factory, strategy in cases:
+        torch.manual_seed(0)  # as every rank builds the model
+        model, inputs = load_factory(factory)()
+        compiled.append((factory, autoshard.compile(model, (2, 2, 2), inputs, strategy=strategy)))
+    for rank in shared_pool(8).run(_logged, (2, 2, 2), compiled):
         for (logged, predicted), case in zip(rank, cases):
             assert logged == predicted, case
+
+
+def test_the_solver_takes_megatron_for_some_block_parts_and_the_plan_matches_serial():
+    model, inputs = load_factory(GPT)()
+    traced, mesh, hardware = trace(model, inputs), Mesh.from_shape((2, 2, 2)), "nvlink-8"
+    problem = build_problem(traced, mesh, Hardware.load(hardware), SPACES["all"], 2.0)
+    free = problem.evaluate(solve(problem, None))[1]
+    budget = (smallest_peak(problem) + free) / 2  # neither all replicated nor at the floor
+    choice = solve(problem, budget)
+    assert any(option.family == "megatron" for option in choice.values())
+    plan = plan_choice(traced, mesh, problem, choice, Hardware.load(hardware), 2.0)
+    assert_equivalent(GPT, (2, 2, 2), plan=plan)
