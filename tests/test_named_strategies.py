@@ -35,6 +35,7 @@ COLUMN, ROW = Layout((("c",), ())), Layout(((), ("c",)))  # a weight [out, in] o
     [
         (GPT, (2, 2, 2), "megatron"),
         (GPT, (1, 2, 4), "megatron"),
+        (GPT, (8,), "megatron"),  # one axis: tensor parallel over all 8 ranks
         (f"{MODELS}:gpt_batch8", (2, 2, 2), "dp"),
         (f"{MODELS}:gpt_batch8", (1, 1, 8), "dp"),
         (LLAMA, (2, 2, 2), "megatron"),
@@ -169,3 +170,13 @@ def test_the_solver_takes_megatron_for_some_block_parts_and_the_plan_matches_ser
     assert any(option.family == "megatron" for option in choice.values())
     plan = plan_choice(traced, mesh, problem, choice, Hardware.load(hardware), 2.0)
     assert_equivalent(GPT, (2, 2, 2), plan=plan)
+
+
+def test_the_command_line_takes_the_named_strategies():
+    from autoshard.cli import parse_strategy
+
+    assert parse_strategy("megatron") == "megatron"
+    assert parse_strategy('{"*": "dp", "blocks.*": "megatron"}') == {
+        "*": "dp",
+        "blocks.*": "megatron",
+    }

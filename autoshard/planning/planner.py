@@ -1,9 +1,10 @@
 """The whole-model policy planner: one strategy per node, chosen in graph order.
 
 The user names a family per module (``"3d"``, ``"3d-allreduce"``,
-``"replicated"``, or a dict from module-path patterns to those); each linear
-takes the candidate of its family that costs the least communication given
-how its input is stored, and every other op follows its inputs. Parameters
+``"replicated"``, ``"megatron"``, ``"dp"``, …, or a dict from module-path
+patterns to those); each linear takes the candidate of its family that costs
+the least communication given how its input is stored (under ``"megatron"``,
+Megatron's own roles), and every other op follows its inputs. Parameters
 are stored the way their first consumer wants them; inputs arrive whole on
 every rank and are split on entry the way the first 3D linear reads them.
 
