@@ -55,7 +55,8 @@ def plan(
     recompute it, for the least predicted step time on `hardware` (a preset
     name, a profile path, or a Hardware; nvlink-8 by default) within
     `memory_budget` bytes per rank (by default the hardware's memory per
-    device). `strategy` forces a family ("3d", "3d-allreduce", "replicated") or
+    device). `strategy` forces a family ("3d", "3d-allreduce", "replicated",
+    "megatron", "dp", …: `autoshard.strategies.FAMILIES`) or
     a dict from module-path patterns (``"layers.*.fc1"``) to families; a
     single family with a budget only chooses where to recompute. `optimizer`
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a

@@ -56,7 +56,13 @@ from autoshard.sizes import memory_budget
 from autoshard.strategies import FAMILIES, OpEntry, Strategy, entries
 
 EXIT_USAGE = 2
-_FAMILY_STYLE = {"3d": "green", "3d-allreduce": "cyan", "replicated": "yellow"}
+_FAMILY_STYLE = {
+    "3d": "green",
+    "3d-allreduce": "cyan",
+    "replicated": "yellow",
+    "megatron": "magenta",
+    "dp": "blue",
+}
 _FREES = re.compile(r";  (?:\w+ = )+None$", re.MULTILINE)  # fx's `x = None` after last use
 
 
@@ -626,7 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="3d",
         choices=("3d", "all"),
         help="what the solver chooses from: the 3D families and replicated (3d), or also every "
-        "role assignment (all: data parallel, Megatron 1D/2D, …) (default: 3d)",
+        "role assignment and the named megatron and dp layouts (all) (default: 3d)",
     )
     show_parser.add_argument(
         "--hardware",

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from gpt import gpt as example_gpt  # noqa: E402
+from llama import llama as example_llama  # noqa: E402
 from mlp import mlp as example_mlp  # noqa: E402
 
 
@@ -245,3 +247,17 @@ class OffsetNorm(nn.Module):
 
 def offset_norm():
     return OffsetNorm(), (torch.randn(16, 8, requires_grad=True),)
+
+
+# The GPT and LLaMA examples with a batch of 8, which "dp" splits over 8 ranks, and a
+# LLaMA whose 4 key/value heads split over a tensor-parallel axis of 4.
+def gpt_batch8():
+    return example_gpt(batch=8)
+
+
+def llama_batch8():
+    return example_llama(batch=8)
+
+
+def llama_kv4():
+    return example_llama(n_kv_head=4)

@@ -1,9 +1,10 @@
 """The whole-model policy planner: one strategy per node, chosen in graph order.
 
 The user names a family per module (``"3d"``, ``"3d-allreduce"``,
-``"replicated"``, or a dict from module-path patterns to those); each linear
-takes the candidate of its family that costs the least communication given
-how its input is stored, and every other op follows its inputs. Parameters
+``"replicated"``, ``"megatron"``, ``"dp"``, …, or a dict from module-path
+patterns to those); each linear takes the candidate of its family that costs
+the least communication given how its input is stored (under ``"megatron"``,
+Megatron's own roles), and every other op follows its inputs. Parameters
 are stored the way their first consumer wants them; inputs arrive whole on
 every rank and are split on entry the way the first 3D linear reads them.
 
@@ -35,10 +36,14 @@ from autoshard.mesh import Mesh
 from autoshard.planning.plan import NodePlan, Plan
 from autoshard.strategies import (
     FAMILIES,
+    NAMED,
     Context,
     Strategy,
     Unclaimed,
+    all_reduces,
+    batch_dims,
     is_tensor,
+    parallel_axes,
     replicated_fallback,
     rule_for,
 )
@@ -84,20 +89,20 @@ def family_of(path: str, strategy) -> str:
 
 def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
     """How a model input is split on entry: tokens over the M (and N) axes, features over K,
-    as the first linear of `family` reads it with roles M=a, K=c, N=b."""
+    as the first linear of `family` reads it with roles M=a, K=c, N=b. Under "dp" and
+    "megatron", every token dim (an id's, a float input's all but the features) over the
+    data-parallel axes, batch first: each rank reads only its share of the batch."""
+    if family in NAMED:
+        data, _ = parallel_axes(family, mesh)
+        tokens = val.ndim - 1 if val.dtype.is_floating_point else val.ndim
+        split = batch_dims(tuple(val.shape[:tokens]), data, mesh)
+        return Layout(split + ((),) * (val.ndim - tokens)).normalized(mesh)
     if family == "replicated" or val.ndim < 2 or not val.dtype.is_floating_point:
         return Layout.replicated(val.ndim)
     a, b, c = mesh.names
     token_axes = (a,) if family.endswith("allreduce") else (a, b)
-    dims = [[] for _ in range(val.ndim)]
-    local = list(val.shape)
-    for axis in token_axes:
-        for d in range(val.ndim - 1):
-            if local[d] % mesh.size(axis) == 0:
-                dims[d].append(axis)
-                local[d] //= mesh.size(axis)
-                break
-    if local[-1] % mesh.size(c) == 0:
+    dims = [list(d) for d in batch_dims(tuple(val.shape[:-1]), token_axes, mesh)] + [[]]
+    if val.shape[-1] % mesh.size(c) == 0:
         dims[-1].append(c)
     return Layout(tuple(tuple(d) for d in dims)).normalized(mesh)
 
@@ -114,7 +119,7 @@ class Knobs:
 
 
 def default_split(family: str) -> bool:
-    return not family.endswith("allreduce")
+    return not all_reduces(family)
 
 
 def _itemsize(node: fx.Node) -> int:
@@ -564,8 +569,10 @@ _ADVICE = (
 _NEXT_FAMILY = {
     "3d": "3d-allreduce",
     "any": "any-allreduce",
+    "megatron": "dp",
     "3d-allreduce": "replicated",
     "any-allreduce": "replicated",
+    "dp": "replicated",
 }
 
 

@@ -71,11 +71,12 @@ from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
+from autoshard.strategies import NAMED
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 SPACES = {
     "3d": ("3d", "3d-allreduce", "replicated"),
-    "all": ("3d", "3d-allreduce", "replicated", "any", "any-allreduce"),
+    "all": ("3d", "3d-allreduce", "replicated", "any", "any-allreduce", "megatron", "dp"),
 }
 
 WHOLE_WEIGHT, SPLIT_WEIGHT, REGATHER = (
@@ -264,14 +265,17 @@ def build_problem(
     fallback: bool = True,
 ) -> Problem:
     """The integer program of the module docstring, for `families` in every order of
-    the axes that costs differently (`orientations`). With `fallback`, a node that no
-    layout of a family divides is planned in that family's plan by the next family
-    that fits (`plan_graph`), so the family stays an option for every other unit."""
+    the axes that costs differently (`orientations`); "replicated" and the named
+    families ("megatron", "dp") in the mesh's own order only, so that Megatron's
+    tensor-parallel axis is the one the user's mesh puts last. With `fallback`, a node
+    that no layout of a family divides is planned in that family's plan by the next
+    family that fits (`plan_graph`), so the family stays an option for every other
+    unit."""
     orders = orientations(mesh, hardware)
     plans = {
         (family, order): plan_graph(traced, mesh, family, order=order or None, fallback=fallback)
         for family in families
-        for order in (orders if family != "replicated" else [()])
+        for order in (orders if family not in ("replicated", *NAMED) else [()])
     }
     unit = units_of(traced, plans[families[0], ()])
     plans = {v: share_collectives(traced, plan, unit) for v, plan in plans.items()}

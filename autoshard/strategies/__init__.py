@@ -47,13 +47,17 @@ from autoshard.strategies import (  # noqa: F401  (each module registers its rul
 )
 from autoshard.strategies.base import (  # noqa: F401  (the rules' vocabulary)
     FAMILIES,
+    NAMED,
     Context,
     Lowering,
     Saved,
     Strategy,
     Unclaimed,
+    all_reduces,
+    batch_dims,
     is_tensor,
     make,
+    parallel_axes,
     replicated_fallback,
 )
 from autoshard.strategies.registry import (  # noqa: F401  (one entry per op)

@@ -16,7 +16,45 @@ from autoshard.mesh import Mesh
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
 
-FAMILIES = ("3d", "3d-allreduce", "replicated", "any", "any-allreduce")
+FAMILIES = ("3d", "3d-allreduce", "replicated", "any", "any-allreduce", "megatron", "dp")
+# The named uniform layouts: data parallel over every axis, and Megatron-LM's tensor
+# parallelism over one axis with data parallel over the others (`parallel_axes`).
+NAMED = ("megatron", "dp")
+
+
+def all_reduces(family: str) -> bool:
+    """Whether `family`'s layers all-reduce their pending sums (the output whole over
+    K) and keep their weights whole over M by default (gradients all-reduced), rather
+    than reduce-scatter and gather the weight as "3d" does."""
+    return family.endswith("allreduce") or family in NAMED
+
+
+def parallel_axes(family: str, mesh: Mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A named family's (data-parallel axes, tensor-parallel axes). "dp": every axis
+    splits the batch. "megatron": the last axis that splits anything (the fastest
+    links: NVLink inside a node on ib-cluster, the mesh's last axis) is the
+    tensor-parallel axis, the others split the batch; on a (1, 1, 8) mesh that is
+    Megatron over all 8 ranks, on (8, 1, 1) plain data parallel."""
+    if family == "dp":
+        return mesh.names, ()
+    wide = [a for a in mesh.names if mesh.size(a) > 1] or [mesh.names[-1]]
+    tp = wide[-1]
+    return tuple(a for a in mesh.names if a != tp), (tp,)
+
+
+def batch_dims(shape, axes, mesh: Mesh) -> tuple[tuple[str, ...], ...]:
+    """`axes` (outer first) placed on the leading dims of `shape` (its batch, then its
+    sequence) that divide, each axis on the first dim that still does: how the named
+    families split a tensor of tokens."""
+    dims = [[] for _ in shape]
+    local = list(shape)
+    for axis in axes:
+        for d, size in enumerate(local):
+            if size % mesh.size(axis) == 0:
+                dims[d].append(axis)
+                local[d] //= mesh.size(axis)
+                break
+    return tuple(tuple(d) for d in dims)
 
 
 @dataclass(frozen=True)

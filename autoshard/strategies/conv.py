@@ -33,6 +33,7 @@ from autoshard.strategies.base import (
     Lowering,
     Strategy,
     Unclaimed,
+    all_reduces,
     make,
     replicated_fallback,
 )
@@ -72,7 +73,7 @@ def convolution(ctx: Context) -> list[Strategy]:
     else:
         # Few input channels (an image's 3) take no K split: that axis splits the batch
         # too, or else the output channels.
-        roles = _roles(ctx.family, ctx.mesh)
+        roles = _roles(ctx.family, ctx.mesh, ctx.layout(0).dims[1])
         attempts = [
             _dense(ctx, roles),
             _dense(ctx, [(m + k, (), n) for m, k, n in roles]),
@@ -90,7 +91,7 @@ def _dense(ctx: Context, roles) -> list[Strategy]:
     each (M, K, N) assignment of mesh axes in `roles`."""
     nd, mesh = len(ctx.shape(0)), ctx.mesh
     bias = 2 if len(ctx.inputs) == 3 else None
-    allreduce = ctx.family.endswith("allreduce")
+    allreduce = all_reduces(ctx.family)
     candidates = []
     for m, k, n in roles:
         x_in = _layout(nd, [(0, m), (1, k)])

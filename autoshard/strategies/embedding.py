@@ -21,7 +21,17 @@ from torch.ops import aten
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.runtime import ops
-from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.base import (
+    NAMED,
+    Context,
+    Lowering,
+    Saved,
+    Strategy,
+    Unclaimed,
+    batch_dims,
+    make,
+    parallel_axes,
+)
 from autoshard.strategies.registry import itemsize, numel, register
 from autoshard.tracing.trace import argument
 
@@ -55,19 +65,6 @@ def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize)
 VOCAB_EMBEDDING = Lowering("vocab_embedding", _vocab_parallel, saved=_vocab_parallel_saved)
 
 
-def _token_dims(shape, axes, mesh) -> list[tuple[str, ...]]:
-    """Place `axes` (outer first) on the first token dims that divide."""
-    dims = [[] for _ in shape]
-    local = list(shape)
-    for axis in axes:
-        for d, size in enumerate(local):
-            if size % mesh.size(axis) == 0:
-                dims[d].append(axis)
-                local[d] //= mesh.size(axis)
-                break
-    return [tuple(d) for d in dims]
-
-
 @register(aten.embedding.default, saved=_keeps_indices, lowerings=(VOCAB_EMBEDDING,))
 def embedding(ctx: Context) -> list[Strategy]:
     # Both scale a row's gradient by how often the batch uses it, which a rank that
@@ -83,9 +80,11 @@ def embedding(ctx: Context) -> list[Strategy]:
                 "replicated", [Layout.replicated(2), rep_ids], Layout.replicated(len(ids_shape) + 1)
             )
         ]
+    if ctx.family in NAMED:
+        return _named(ctx)
     candidates = []
     for x, y, z in permutations(ctx.mesh.names):
-        tokens = _token_dims(ids_shape, (x, y), ctx.mesh)
+        tokens = batch_dims(ids_shape, (x, y), ctx.mesh)
         stored = Layout(tuple(tokens) + ((z,),)).normalized(ctx.mesh)
         table = Layout(((x, y), (z,))).normalized(ctx.mesh)
         out = Layout(((),) * len(ids_shape) + ((z,),), partial=(x, y)).normalized(ctx.mesh)
@@ -120,4 +119,41 @@ def embedding(ctx: Context) -> list[Strategy]:
         if not any(lay.indivisible(ctx.shape(i), ctx.mesh) for i, lay in enumerate(c.inputs))
         and not c.stored.indivisible(ctx.out_shape, ctx.mesh)
         and not c.storage_for(0).indivisible(ctx.shape(0), ctx.mesh)
+    ]
+
+
+def _named(ctx: Context) -> list[Strategy]:
+    """The lookup under "dp" and "megatron": the ids as they arrive (split over the
+    batch on the data-parallel axes, `autoshard.planning.planner.entry_layout`, or
+    replicated: positions), the output split as the ids are. Under "megatron" ids the
+    model is given (words) look up a table whose rows are split over the
+    tensor-parallel axis: each rank looks up the ids it holds and the sum is
+    all-reduced (Megatron's vocabulary-parallel embedding, and the layout a tied
+    column-parallel lm-head reads). Ids the model makes itself (positions, token
+    types), rows that do not divide, and "dp" read a whole table, as Megatron keeps
+    its position table. The weight knob: the table also split over the data-parallel
+    axes (gathered before the lookup) or kept whole over them."""
+    mesh, ids = ctx.mesh, ctx.layout(1)
+    data, tp = parallel_axes(ctx.family, mesh)
+    tokens = ids.dims + ((),)
+    given = ctx.inputs[1].op == "placeholder"
+    vocab = tp if given and ctx.shape(0)[0] % mesh.count(tp) == 0 else ()
+    table = Layout((vocab, ())).normalized(mesh)
+    split = Layout((vocab, data)).normalized(mesh)
+    out = Layout(tokens, partial=vocab).normalized(mesh)
+    storages = [(table, False)]
+    if not split.indivisible(ctx.shape(0), mesh):
+        storages.append((split, True))
+    return [
+        make(
+            ctx.family,
+            [table, ids],
+            out,
+            Layout(tokens).normalized(mesh),
+            storage=(store, None),
+            lowering=VOCAB_EMBEDDING if table.dims[0] else None,
+            detail=f"vocabulary over {','.join(table.dims[0]) or '-'}",
+            split_weight=split_weight,
+        )
+        for store, split_weight in storages
     ]

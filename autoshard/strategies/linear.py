@@ -16,6 +16,15 @@ Either family may store its weights the other way (the weight knob,
 `Strategy.split_weight`): a candidate exists for each, the family's own
 first; the planner takes the one the solver asks for.
 - ``"replicated"``: every rank computes the whole layer.
+- ``"dp"``: M is every axis (the batch split everywhere, weights whole).
+- ``"megatron"``: M is the data-parallel axes, and the tensor-parallel axis is N
+  (column-parallel) for a layer whose input arrives whole over it, K (row-parallel)
+  for one whose input arrives with its features split over it: q, k, v, fc1, gate
+  and up are column-parallel, the output projection, fc2 and down row-parallel, and
+  the row-parallel output is all-reduced back to whole (Megatron's g; the f, the
+  column-parallel input's gradient all-reduced, is the gradient of an input that
+  feeds split work). Both the "dp" and "megatron" layers all-reduce like
+  ``"3d-allreduce"``, and split the batch over their M axes outer dims first.
 
 Which axis takes which role is left to the planner: each permutation is a
 candidate, so consecutive linears swap K and N where that saves a collective.
@@ -33,11 +42,15 @@ from torch.ops import aten
 from autoshard.formula import Formula
 from autoshard.layout import Layout
 from autoshard.strategies.base import (
+    NAMED,
     Context,
     Saved,
     Strategy,
     Unclaimed,
+    all_reduces,
+    batch_dims,
     make,
+    parallel_axes,
     replicated_fallback,
 )
 from autoshard.strategies.pointwise import aligned
@@ -138,12 +151,18 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
             assemble("replicated", rep(x_nd), rep(2), rep(2), rep(out_nd), rep(out_nd), rep(1), "R")
         ]
 
-    candidates = []
-    allreduce = family.endswith("allreduce")
-    for m, k, n in _roles(family, mesh):
-        # Token dims for M, then for the K scatter: the dim the incoming N shard sits on
-        # first, so that the next layer gathers where this one scattered.
+    groups = []
+    allreduce = all_reduces(family)
+    for m, k, n in _roles(family, mesh, incoming.dims[-1] if incoming.ndim else ()):
+        candidates = []
+        # Token dims for M (all of M on one dim, or for the named families also spread
+        # over the batch dims first), then for the K scatter: the dim the incoming N
+        # shard sits on first, so that the next layer gathers where this one scattered.
         token_dims = list(range(feat))
+        placements = [[(dm, m)] for dm in token_dims]
+        if family in NAMED:
+            spread = batch_dims(shapes[x][:feat], m, mesh)
+            placements.insert(0, [(d, axes) for d, axes in enumerate(spread) if axes])
         n_dim = incoming.dim_of(n[0]) if n else None
         scatter_dims = [None] if allreduce else sorted(token_dims, key=lambda d: d != n_dim)
         w_in = _layout(2, [(w_out_dim, n), (w_in_dim, k)])
@@ -164,32 +183,46 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
         if not allreduce:
             storages.reverse()
         roles = " ".join(f"{r}={','.join(axes) or '-'}" for r, axes in zip("MKN", (m, k, n)))
-        for dm, dk, (w_store, split_weight) in product(token_dims, scatter_dims, storages):
-            x_in = _layout(x_nd, [(dm, m), (feat, k)])
-            out = _layout(out_nd, [(dm, m), (out_nd - 1, n)], partial=k)
+        for tokens, dk, (w_store, split_weight) in product(placements, scatter_dims, storages):
+            x_in = _layout(x_nd, tokens + [(feat, k)])
+            out = _layout(out_nd, tokens + [(out_nd - 1, n)], partial=k)
             bias_in = _layout(1, [(0, n)])
             stored = _layout(
-                out_nd, [(dm, m), (out_nd - 1, n)] + ([(dk, k)] if dk is not None else [])
+                out_nd, tokens + [(out_nd - 1, n)] + ([(dk, k)] if dk is not None else [])
             )
             candidates.append(
                 assemble(family, x_in, w_in, w_store, out, stored, bias_in, roles, split_weight)
             )
-    return tuple(_valid(shapes, out_shape, mesh, candidates))
+        groups.append(candidates)
+    if family == "megatron":  # the first roles that divide: Megatron's own, if they do
+        valid = (_valid(shapes, out_shape, mesh, group) for group in groups)
+        return tuple(next((group for group in valid if group), ()))
+    return tuple(_valid(shapes, out_shape, mesh, [c for group in groups for c in group]))
 
 
-def _roles(family: str, mesh) -> list[tuple[tuple[str, ...], ...]]:
+def _roles(family: str, mesh, features=()) -> list[tuple[tuple[str, ...], ...]]:
     """(M axes, K axes, N axes) per candidate: one axis each, in every order, for the 3D
-    families; for "any" and "any-allreduce" every assignment of the axes to M, K, N or
-    none (replicated work), from which data parallel (M on every axis) and Megatron's
-    1D and 2D layouts fall out."""
+    families; for "any" and "any-allreduce" every assignment of the axes that split
+    anything to M, K and N, from which data parallel (M on every axis) and Megatron's
+    1D and 2D layouts fall out. None is left without a role: its ranks would repeat
+    the layer's work, and the per-node choice, which counts bytes moved, would take
+    that every time (on a 1×1×8 mesh, every layer replicated). "dp": M is every
+    axis. "megatron": column-parallel, or first row-parallel where the input's
+    features arrive split over the tensor-parallel axis (`features`: the axes that
+    split them)."""
+    if family == "dp":
+        return [(mesh.names, (), ())]
+    if family == "megatron":
+        data, tp = parallel_axes(family, mesh)
+        column, row = (data, (), tp), (data, tp, ())
+        return [row, column] if set(tp) & set(features) else [column, row]
     if family.startswith("3d"):
         return [((m,), (k,), (n,)) for m, k, n in permutations(mesh.names)]
-    out = []
-    for roles in product("MKNR", repeat=len(mesh.names)):
-        out.append(
-            tuple(tuple(a for a, r in zip(mesh.names, roles) if r == role) for role in "MKN")
-        )
-    return out
+    wide = [a for a in mesh.names if mesh.size(a) > 1]
+    return [
+        tuple(tuple(a for a, r in zip(wide, roles) if r == role) for role in "MKN")
+        for roles in product("MKN", repeat=len(wide))
+    ]
 
 
 def _valid(shapes, out_shape, mesh, candidates: list[Strategy]) -> list[Strategy]:
