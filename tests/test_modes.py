@@ -17,6 +17,7 @@ MODELS = str(Path(__file__).parent / "views_models.py")
 CASES = [
     ("dropout_mlp_train", "3d"),
     ("dropout_mlp_eval", "3d-allreduce"),
+    ("dropout_transposed_train", "3d"),
     ("dropout_attention_train", "3d-allreduce"),
     ("dropout_attention_eval", "3d"),
 ]

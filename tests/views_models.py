@@ -115,6 +115,19 @@ def dropout_mlp_eval():
     return DropoutMLP().eval(), (_tokens(True),)
 
 
+class TransposedDropout(DropoutMLP):
+    """Dropout on a transposed activation: torch draws its mask in the memory order of
+    the input's strides, not in the order of its indices."""
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x)).transpose(0, 1)
+        return self.fc2(self.drop(h))
+
+
+def dropout_transposed_train():
+    return TransposedDropout().train(), (_tokens(True),)
+
+
 def dropout_attention_train():
     return SelfAttention(True, dropout=0.25).train(), (_tokens(True),)
 

@@ -98,17 +98,21 @@ def dropout(
     train: bool,
     *,
     shape: tuple[int, ...],
+    stride: tuple[int, ...],
     dims: tuple[tuple[str, ...], ...],
     mesh: comm.BoundMesh,
 ):
-    """Dropout whose mask is drawn for the global `shape` and cut to this rank's part,
-    so the parallel program drops exactly what the serial one drops from the
-    same random state (the same generator calls in the same order)."""
+    """Dropout whose mask is drawn for the global `shape`, laid out as the serial input
+    is (`stride`), and cut to this rank's part, so the parallel program drops exactly
+    what the serial one drops from the same random state (the same generator calls in
+    the same order, into memory in the same order)."""
     if not train or p == 0:
         return x
     if p == 1:
         return x * torch.zeros_like(x)
-    noise = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p).div_(1 - p)
+    serial = torch.empty_strided(shape, stride, device="meta")
+    noise = torch.empty_like(serial, dtype=x.dtype, device=x.device)  # as torch's dropout
+    noise.bernoulli_(1 - p).div_(1 - p)
     return x * comm.local_part(noise, dims, mesh).clone()  # keep only the local part alive
 
 

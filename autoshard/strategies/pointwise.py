@@ -149,7 +149,10 @@ def _rewrite_dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
             training = node.graph.get_attr("training")
         node.args = (node.args[0], node.args[1], training)
     node.target = ops.dropout
-    node.kwargs = {"shape": placed.shape, "dims": placed.strategy.stored.dims}
+    # the serial mask is drawn in the memory order of the input's strides (torch's CPU
+    # dropout draws into empty_like(input)): a transposed input's mask differs
+    stride = tuple(node.meta["val"].stride())
+    node.kwargs = {"shape": placed.shape, "stride": stride, "dims": placed.strategy.stored.dims}
 
 
 DROPOUT = Lowering("dropout", _rewrite_dropout)
