@@ -284,7 +284,16 @@ def build_problem(
     for name, u in unit.items():
         members[u].append(name)
     all_costs = {v: node_costs(traced, plan, hardware) for v, plan in plans.items()}
-    resident = {v: kept_resident(traced, plan, unit, all_costs[v]) for v, plan in plans.items()}
+    # Which units the choice recomputes is not known here: a value that only a replay
+    # would keep is priced as kept, once, whether or not one is chosen; otherwise a
+    # recomputed unit would keep it again with its inputs, once per unit (LLaMA-3 70B's
+    # 80 layers: 1.3 GiB). Where no unit that reads it is recomputed, the price is
+    # that value's bytes above the plan's estimate.
+    block_parts = [name for name, u in unit.items() if u not in (PROLOGUE, EPILOGUE)]
+    resident = {
+        v: kept_resident(traced, plan, unit, all_costs[v], block_parts)
+        for v, plan in plans.items()
+    }
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
     signatures = _Signatures(traced, plans, members)

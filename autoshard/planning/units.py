@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 
 from autoshard.cost.model import storage_of
 from autoshard.planning.plan import Plan
@@ -73,14 +74,21 @@ def resident_values(traced: Traced, plan: Plan, units: dict[str, str]) -> frozen
     return frozenset(s for s in storages if s in plan.nodes)  # inputs count where they enter
 
 
-def kept_resident(traced: Traced, plan: Plan, units: dict[str, str], costs: dict) -> frozenset[str]:
+def kept_resident(
+    traced: Traced,
+    plan: Plan,
+    units: dict[str, str],
+    costs: dict,
+    recomputed: Iterable[str] | None = None,
+) -> frozenset[str]:
     """The `resident_values` something keeps for backward (`costs`: `node_costs`): a
     node keeps it as it is stored (`NodeCost.shared`), or a recomputed unit reads it
-    (a replay keeps its inputs). Any other (a boolean mask that attention keeps only
+    (a replay keeps its inputs; `recomputed`: the nodes of recomputed units, by
+    default the plan's regions). Any other (a boolean mask that attention keeps only
     as the additive mask it makes) dies with its last reader's forward, and counts
     where it enters a unit."""
     kept = {storage for cost in costs.values() for storage in cost.shared}
-    for name in plan.regions:
+    for name in plan.regions if recomputed is None else recomputed:
         for inp in traced.nodes[name].all_input_nodes:
             if inp.op != "get_attr" and units.get(inp.name) != units[name]:
                 kept.add(storage_of(traced.nodes[inp.name], plan))
