@@ -17,7 +17,10 @@ last axis inside a node). Per row:
   (6·N·T + 12·L·H·S·T FLOPs a step over the devices' fp32 peak), the families it
   chose and the fraction of block parts it recomputes;
 - uniform ×: the step time of the plan users would pick by hand, all-3D with every
-  block recomputed, over the solved plan's (above 1: the solver is faster).
+  block recomputed, over the solved plan's (above 1: the solver is faster);
+- megatron ×: the same for Megatron-LM, tensor parallel over the mesh's last (NVLink)
+  axis and data parallel over the others, with the recomputation and weight storage
+  the solver finds best for it at 80 GiB, or "no fit" where no such plan fits.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from autoshard.cost.hardware import Hardware
+from autoshard.errors import BudgetError
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import estimate
 from autoshard.planning.planner import plan_graph
@@ -179,6 +183,17 @@ def uniform_3d_recomputed(traced, mesh, hardware):
     return estimate(traced, plan, hardware)
 
 
+def megatron_cell(traced, mesh, hardware, solved_step: float) -> str:
+    """The best Megatron-LM plan at `BUDGET`, its step time over the solved plan's;
+    or, where none fits, the smallest budget one would need."""
+    problem = build_problem(traced, mesh, hardware, ("megatron",), 2.0)
+    try:
+        choice = solve(problem, BUDGET)
+    except BudgetError:
+        return f"no fit (needs {smallest_peak(problem) / GiB:.0f} GiB)"
+    return f"{problem.evaluate(choice)[0] / solved_step:.2f}"
+
+
 def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardware) -> list[str]:
     mesh = Mesh.from_shape(tuple(int(s) for s in shape.split("x")))
     tokens = int(tokens_m * 2**20)
@@ -193,7 +208,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
     cells += [f"{export_s:.1f}", f"{trace_s:.1f}"]
     try:
         choice = solve(problem, BUDGET)
-    except Exception as e:  # BudgetError: the model does not fit 80 GiB on this mesh
+    except BudgetError as e:  # the model does not fit 80 GiB on this mesh
         plan_s = time.perf_counter() - start
         floor = floor_bytes(config, params, tokens, devices)
         smallest = smallest_peak(problem)
@@ -203,6 +218,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
             f"{floor / GiB:.1f}",
             f"{smallest / floor:.2f}",
             f"no fit ({type(e).__name__})",
+            "",
             "",
             "",
             "",
@@ -233,6 +249,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
         families,
         f"{100 * recomputed:.0f}%",
         f"{uniform.step_time / cost.step_time:.2f}{fits}",
+        megatron_cell(traced, mesh, hardware, cost.step_time),
     ]
 
 
@@ -253,6 +270,7 @@ COLUMNS = (
     "families",
     "recomputed",
     "uniform ×",
+    "megatron ×",
 )
 
 
