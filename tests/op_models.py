@@ -105,6 +105,28 @@ def transposed_weights():
     return TransposedWeights(), (torch.randn(8, 4, 16),)
 
 
+class InPlaceActivations(nn.Module):
+    """ResNet's ``nn.ReLU(inplace=True)``, a clamp written in place, and two in-place
+    updates in a row."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 32)
+        self.act = nn.ReLU(inplace=True)
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        h = self.act(self.up(x)) * 2  # relu's backward reads its output: update a copy
+        h.clamp_(max=2.0)
+        h.add_(1.0)
+        h.mul_(0.5)
+        return torch.sigmoid_(self.down(h))
+
+
+def in_place_activations():
+    return InPlaceActivations(), (torch.randn(8, 4, 16),)
+
+
 def elementwise():
     return Elementwise(), (torch.randn(8, 4, 16),)
 

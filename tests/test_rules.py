@@ -23,6 +23,13 @@ SHARDED = {
         "add_": "aten.add_.Tensor",
         "reshape_as": "aten.reshape.default",
     },
+    "in_place_activations": {
+        "relu_": "aten.relu_.default",
+        "clamp_": "aten.clamp_.default",
+        "add_": "aten.add_.Tensor",
+        "mul_": "aten.mul_.Tensor",
+        "sigmoid_": "aten.sigmoid_.default",
+    },
     "elementwise": {
         "stack": "aten.stack.default",
         "repeat_interleave": "aten.repeat_interleave.self_int",

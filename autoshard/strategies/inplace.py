@@ -41,6 +41,23 @@ IN_PLACE = (
     aten.div_.Scalar,
     aten.masked_fill_.Scalar,
     aten.detach_.default,
+    # activations written in place (nn.ReLU(inplace=True), x.clamp_(...))
+    aten.relu_.default,
+    aten.sigmoid_.default,
+    aten.tanh_.default,
+    aten.silu_.default,
+    aten.gelu_.default,
+    aten.hardtanh_.default,
+    aten.hardswish_.default,
+    aten.leaky_relu_.default,
+    aten.elu_.default,
+    aten.threshold_.default,
+    aten.clamp_.default,
+    aten.clamp_.Tensor,
+    aten.clamp_min_.default,
+    aten.clamp_max_.default,
+    aten.exp_.default,
+    aten.neg_.default,
 )
 
 
@@ -51,9 +68,13 @@ def out_of_place(op):
 
 
 def _is_view(node) -> bool:
+    """Whether `node` returns a view of another tensor (an in-place op's result, which
+    its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else ()
-    return node.op == "call_function" and any(r.alias_info is not None for r in returns)
+    return node.op == "call_function" and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
 
 
 def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
