@@ -127,6 +127,61 @@ def in_place_activations():
     return InPlaceActivations(), (torch.randn(8, 4, 16),)
 
 
+class Regions(nn.Module):
+    """Blocks torch.export wraps in higher-order ops: a stop-gradient scale computed under
+    torch.no_grad(), and a softmax under a disabled autocast."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 32)
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        with torch.no_grad():
+            scale = h.abs().mean(-1, keepdim=True) + 1.0
+        with torch.autocast("cpu", enabled=False):
+            h = (h / scale).softmax(-1)
+        return self.down(h)
+
+
+def regions():
+    return Regions(), (torch.randn(8, 4, 16),)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Branching(nn.Module):
+    """torch.cond, or a custom autograd Function (a straight-through rounding)."""
+
+    def __init__(self, cond: bool, hidden=16):
+        super().__init__()
+        self.cond = cond
+        self.up = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.cond:
+            return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))
+        return _StraightThrough.apply(h)
+
+
+def cond_branch():
+    return Branching(cond=True), (torch.randn(8, 4, 16),)
+
+
+def straight_through():
+    return Branching(cond=False), (torch.randn(8, 4, 16),)
+
+
 def elementwise():
     return Elementwise(), (torch.randn(8, 4, 16),)
 

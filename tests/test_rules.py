@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import autoshard
-from autoshard.errors import StrategyError
+from autoshard.errors import StrategyError, TraceError
 from autoshard.testing import assert_equivalent, load_factory
 
 OPS = Path(__file__).with_name("op_models.py")
@@ -104,3 +104,18 @@ def test_an_in_place_update_of_a_view_is_refused_by_name():
         StrategyError, match=r"'mul_' .* updates 'slice_\d*', a view .* out of place"
     ):
         autoshard.plan(UpdatesAView(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
+
+
+def test_no_grad_and_disabled_autocast_regions_are_inlined_and_match_serial():
+    plan, no_rule = _plan("regions")
+    assert not no_rule and "detach_default" in plan.nodes  # what leaves no_grad is detached
+    assert_equivalent(f"{OPS}:regions", (2, 2, 2), strategy="3d", steps=2)
+
+
+def test_torch_cond_is_refused_and_a_custom_function_is_named():
+    model, inputs = load_factory(f"{OPS}:cond_branch")()
+    with pytest.raises(TraceError, match="node 'cond'.*torch.where"):
+        autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    model, inputs = load_factory(f"{OPS}:straight_through")()
+    with pytest.warns(UserWarning, match="custom autograd Function .*_StraightThrough"):
+        autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import InputError, TraceError
 from autoshard.tracing.canonical import canonicalize
+from autoshard.tracing.regions import custom_functions_named, inline_regions
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,18 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
     forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        with custom_functions_named(model):
+            exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}\n"
             "autoshard needs a graph with static control flow: move data-dependent "
             "branches (Python `if` on tensor values, .item(), data-dependent shapes) out "
-            "of forward, or express them with torch.where / torch.cond."
+            "of forward, or express them with torch.where."
         ) from e
 
+    inline_regions(exported.graph_module)
     _check_static_shapes(exported.graph, model)
     signature = exported.graph_signature
     if signature.buffers_to_mutate or signature.user_inputs_to_mutate:
