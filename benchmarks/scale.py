@@ -9,9 +9,10 @@ fp32, trained with Adam, on ib-cluster (nodes of 8 H100 over InfiniBand; the mes
 last axis inside a node). Per row:
 
 - export s: `torch.export` alone; trace s: autoshard's trace (export included);
-  plan s: the solver's planning after the trace (every family and order of the axes,
-  the cost model, HiGHS, the final plan and its cost), budget 80 GiB;
-- smallest: the smallest per-rank budget any plan of the "3d" space fits, and
+  plan s: the solver's planning after the trace (`SOLVED`: the default "3d" space
+  in every order of the axes, and Megatron-LM and data parallel per block part; the
+  cost model, HiGHS, the final plan and its cost), budget 80 GiB;
+- smallest: the smallest per-rank budget any plan of that space fits, and
   floor, the closed form `floor_bytes` below, with their ratio;
 - at 80 GiB: the solved plan's predicted peak, step time, model FLOPs utilization
   (6·N·T + 12·L·H·S·T FLOPs a step over the devices' fp32 peak), the families it
@@ -49,6 +50,7 @@ from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
 from autoshard.tracing.trace import trace
 
 GiB = 2**30
+SOLVED = (*SPACES["3d"], "megatron", "dp")  # the uniform plans below are in it
 BUDGET = 80 * GiB
 ADAM_FP32 = 16  # bytes per parameter: fp32 weight, gradient, exp_avg, exp_avg_sq
 
@@ -203,7 +205,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
     params = sum(t.numel() for t in traced.parameters.values() if t.requires_grad)
     devices = math.prod(mesh.sizes)
     start = time.perf_counter()
-    problem = build_problem(traced, mesh, hardware, SPACES["3d"], 2.0)
+    problem = build_problem(traced, mesh, hardware, SOLVED, 2.0)
     cells = [config.name, str(seq), f"{tokens_m:g}M", shape]
     cells += [f"{export_s:.1f}", f"{trace_s:.1f}"]
     try:
