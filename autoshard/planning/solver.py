@@ -242,8 +242,8 @@ class Problem:
                 crossing = self.crossing.get((unit, source, choice[source].variant, base))
                 if crossing is not None:
                     effects.append(crossing.effect)
-                    for node, delta in crossing.transient.items():
-                        transient[node] += delta
+                    for node, delta in crossing.transient.items():  # 0 where none of its own
+                        transient[node] = transient.get(node, 0) + delta
             time += sum(e.time for e in effects)
             params += sum(e.params for e in effects)
             highs.append(held + sum(e.high for e in effects) + max(transient.values(), default=0))
