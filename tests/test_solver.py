@@ -4,6 +4,7 @@ equal to serial with every collective (recomputation included) as predicted."""
 import dataclasses
 import itertools
 import os
+import random
 import subprocess
 import sys
 from collections import defaultdict
@@ -350,3 +351,24 @@ def test_the_returned_plan_is_the_plan_priced(spec, hardware):
         assert plan.cost.step_time == pytest.approx(time, rel=1e-12), budget
         assert plan.cost.peak_memory == peak, budget
         assert budget is None or plan.cost.peak_memory <= budget
+
+
+def test_a_mixed_space_with_the_named_families_prices_every_choice():
+    # Two layers of LLaMA-3 8B on 8x8x8, on meta, over "3d" plus megatron and dp: a
+    # crossing into a unit can change the transient of one of its nodes that has none
+    # of its own (evaluate raised KeyError where the MILP counted it from 0), and the
+    # solved plan is the plan priced.
+    model, inputs = load_factory(f"{ROOT}/benchmarks/scale.py:meta_model")("llama3-8b", 2, 256)
+    traced = trace(model, inputs)
+    mesh, hw = Mesh.from_shape((8, 8, 8)), Hardware.load("ib-cluster")
+    problem = build_problem(traced, mesh, hw, (*SPACES["3d"], "megatron", "dp"), 2.0)
+    rng = random.Random(0)
+    for _ in range(50):
+        problem.evaluate({u: rng.choice(problem.options[u]) for u in problem.units})
+    budget = (smallest_peak(problem) + problem.evaluate(solve(problem, None))[1]) / 2
+    choice, objective = solve_priced(problem, budget)
+    time, peak = problem.evaluate(choice)
+    assert objective == pytest.approx(time, rel=1e-9)
+    plan = plan_choice(traced, mesh, problem, choice, hw, 2.0)
+    assert plan.cost.step_time == pytest.approx(time, rel=1e-12)
+    assert plan.cost.peak_memory == peak <= budget
