@@ -159,27 +159,50 @@ class _StraightThrough(torch.autograd.Function):
         return grad
 
 
-class Branching(nn.Module):
-    """torch.cond, or a custom autograd Function (a straight-through rounding)."""
+class _Cube(torch.autograd.Function):
+    """A backward that is the forward's derivative, written by hand."""
 
-    def __init__(self, cond: bool, hidden=16):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+        return scale * x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * ctx.scale * x**2 * grad, None
+
+
+class Branching(nn.Module):
+    """torch.cond, or a custom autograd Function: a straight-through rounding (its
+    backward is not its forward's derivative) or an exact cube."""
+
+    def __init__(self, kind: str, hidden=16):
         super().__init__()
-        self.cond = cond
+        self.kind = kind
         self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
 
     def forward(self, x):
         h = self.up(x)
-        if self.cond:
+        if self.kind == "cond":
             return torch.cond(h.sum() > 0, lambda t: t * 2, lambda t: t - 1, (h,))
-        return _StraightThrough.apply(h)
+        if self.kind == "straight_through":
+            return _StraightThrough.apply(h)
+        return self.down(_Cube.apply(h, 0.5))
 
 
 def cond_branch():
-    return Branching(cond=True), (torch.randn(8, 4, 16),)
+    return Branching("cond"), (torch.randn(8, 4, 16),)
 
 
 def straight_through():
-    return Branching(cond=False), (torch.randn(8, 4, 16),)
+    return Branching("straight_through"), (torch.randn(8, 4, 16),)
+
+
+def exact_function():
+    return Branching("exact"), (torch.randn(8, 4, 16),)
 
 
 def elementwise():

@@ -112,10 +112,18 @@ def test_no_grad_and_disabled_autocast_regions_are_inlined_and_match_serial():
     assert_equivalent(f"{OPS}:regions", (2, 2, 2), strategy="3d", steps=2)
 
 
-def test_torch_cond_is_refused_and_a_custom_function_is_named():
+def test_torch_cond_is_refused_and_so_is_a_custom_function_whose_backward_is_not_exact():
     model, inputs = load_factory(f"{OPS}:cond_branch")()
     with pytest.raises(TraceError, match="node 'cond'.*torch.where"):
         autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
     model, inputs = load_factory(f"{OPS}:straight_through")()
-    with pytest.warns(UserWarning, match="custom autograd Function .*_StraightThrough"):
+    with pytest.raises(TraceError, match="Function .*_StraightThrough, whose backward is not"):
         autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+
+
+def test_a_custom_function_whose_backward_is_the_derivative_runs_as_its_ops():
+    model, inputs = load_factory(f"{OPS}:exact_function")()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked exact: nothing to warn of
+        autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    assert_equivalent(f"{OPS}:exact_function", (2, 2, 2), strategy="3d", steps=2)

@@ -12,9 +12,9 @@ as a call of a submodule:
 Its ops are copied in place of the call, and what leaves a no-grad region is
 detached, which is exactly what the region meant. Any other region (``torch.cond``,
 an enabled autocast) is refused with a `TraceError` naming the node: its meaning is
-not a flat graph of the ops autoshard has rules for. A forward that applies a custom
-`torch.autograd.Function` is warned of by name (`custom_functions_named`): export
-keeps its forward ops only.
+not a flat graph of the ops autoshard has rules for. A custom `torch.autograd.Function`
+in forward is exported as its forward ops only: `check_custom_functions` refuses one
+whose backward is not their derivative.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import operator
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from autoshard.errors import TraceError
 
@@ -96,32 +98,117 @@ def _detach(graph: fx.Graph, value):
 
 
 @contextlib.contextmanager
-def custom_functions_named(model: torch.nn.Module):
-    """Warn of each custom `torch.autograd.Function` the forward applies: `torch.export`
-    records the ops of its forward only, so the program differentiates those ops
-    instead of running the Function's own backward. That is exact where the backward
-    is the derivative of the forward (BLOOM's GeLU) and wrong where it is not (a
-    straight-through estimator, Phi-MoE's router multiplier). Functions torch makes
-    for a custom op with a registered autograd formula stay ops in the graph."""
-    applied: list[type] = []
+def custom_functions_recorded():
+    """Record the first call of each custom `torch.autograd.Function` applied inside
+    the block (its class, and its arguments as `Sample` specs), for
+    `check_custom_functions`. Functions torch makes for a custom op with a registered
+    autograd formula stay ops in the graph and are not recorded."""
+    applied: dict[type, tuple] = {}
     original = torch.autograd.Function.apply.__func__
 
     def apply(cls, *args, **kwargs):
-        applied.append(cls)
+        if not cls.__module__.startswith("torch.") and cls not in applied:
+            applied[cls] = (_specs(args), _specs(kwargs))
         return original(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
     try:
-        yield
+        yield applied
     finally:
         torch.autograd.Function.apply = classmethod(original)
-    for name in sorted({f"{c.__module__}.{c.__qualname__}" for c in applied}):
-        if not name.startswith("torch."):
+
+
+def check_custom_functions(model: torch.nn.Module, applied: dict[type, tuple]) -> None:
+    """`torch.export` records the ops of a custom Function's forward only, so the
+    program differentiates those ops instead of running the Function's own backward.
+    That is exact where the backward is the forward's derivative (BLOOM's GeLU) and
+    wrong where it is not (a straight-through estimator, Phi-MoE's router
+    multiplier). Each Function is run once on random float64 inputs of the shapes it
+    was traced with, both ways: a backward that differs is refused with a
+    `TraceError`; one that cannot be run so is warned of."""
+    for cls, (args, kwargs) in applied.items():
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        try:
+            exact = _backward_is_derivative(cls, args, kwargs)
+        except Exception as e:  # a Function that random inputs or float64 do not suit
             warnings.warn(
-                f"{type(model).__name__}.forward applies the custom autograd Function {name}: "
-                "autoshard differentiates the ops of its forward instead of running its "
-                "backward, so its gradients equal the serial model's only if that backward "
-                "is the forward's derivative; write it with differentiable torch ops, or "
-                "check the parallel module with autoshard.testing.assert_equivalent",
-                stacklevel=4,
+                f"{type(model).__name__}.forward applies the custom autograd Function {name}, "
+                f"whose backward autoshard could not compare with its forward's derivative "
+                f"({type(e).__name__}: {e}): autoshard differentiates the ops of its forward "
+                "instead of running its backward; check the parallel module with "
+                "autoshard.testing.assert_equivalent",
+                stacklevel=3,
             )
+            continue
+        if not exact:
+            raise TraceError(
+                f"{type(model).__name__}.forward applies the custom autograd Function {name}, "
+                "whose backward is not the derivative of its forward (checked on random "
+                "inputs): torch.export keeps its forward ops only, so the parallel program's "
+                "gradients would differ from the serial model's. Write it with differentiable "
+                "torch ops (a straight-through estimator as x + (f(x) - x).detach()), or "
+                "register it as a custom op with its autograd formula "
+                "(torch.library.custom_op + register_autograd)"
+            )
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A tensor argument as traced: what a random stand-in for it needs."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def drawn(self, generator: torch.Generator) -> torch.Tensor:
+        if self.dtype.is_floating_point:
+            x = torch.randn(self.shape, generator=generator, dtype=torch.float64)
+            return x.requires_grad_(self.requires_grad)
+        # zeros are a valid index into any non-empty dimension, and True a valid mask
+        return torch.ones(self.shape, dtype=self.dtype) if self.dtype == torch.bool else (
+            torch.zeros(self.shape, dtype=self.dtype)
+        )
+
+
+def _specs(tree):
+    return pytree.tree_map_only(
+        torch.Tensor,
+        lambda t: Sample(tuple(int(s) for s in t.shape), t.dtype, t.requires_grad),
+        tree,
+    )
+
+
+def _backward_is_derivative(cls: type, args, kwargs) -> bool:
+    if kwargs:
+        raise TypeError("Function.apply takes positional arguments only")
+    generator = torch.Generator().manual_seed(0)
+    args = pytree.tree_map_only(Sample, lambda s: s.drawn(generator), args)
+    leaves, spec = pytree.tree_flatten(args)
+    wanted = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return True  # nothing to differentiate
+
+    class Applied(torch.nn.Module):
+        def forward(self, *flat):
+            return cls.apply(*pytree.tree_unflatten(list(flat), spec))
+
+    exported = torch.export.export(Applied(), tuple(leaves), strict=False).module()
+    own = _gradients(cls.apply(*args), wanted)
+    of_forward = _gradients(exported(*leaves), wanted)
+    return all(
+        (a - b).abs().max() <= 1e-9 * max(1.0, a.abs().max().item())
+        for a, b in zip(own, of_forward)
+    )
+
+
+def _gradients(outputs, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Gradients of a fixed random weighting of `outputs` (zeros where unused)."""
+    generator = torch.Generator().manual_seed(1)
+    outputs = [o for o in pytree.tree_leaves(outputs) if isinstance(o, torch.Tensor)]
+    outputs = [o for o in outputs if o.requires_grad]
+    if not outputs:
+        return [torch.zeros_like(t) for t in inputs]
+    weights = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outputs]
+    loss = sum((o * w).sum() for o, w in zip(outputs, weights))
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]

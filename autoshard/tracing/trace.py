@@ -23,7 +23,11 @@ from torch.utils import _pytree as pytree
 
 from autoshard.errors import InputError, TraceError
 from autoshard.tracing.canonical import canonicalize
-from autoshard.tracing.regions import custom_functions_named, inline_regions
+from autoshard.tracing.regions import (
+    check_custom_functions,
+    custom_functions_recorded,
+    inline_regions,
+)
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
     forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
-        with custom_functions_named(model):
+        with custom_functions_recorded() as custom_functions:
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(
@@ -73,6 +77,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
             "of forward, or express them with torch.where."
         ) from e
 
+    check_custom_functions(model, custom_functions)
     inline_regions(exported.graph_module)
     _check_static_shapes(exported.graph, model)
     signature = exported.graph_signature
