@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -105,9 +106,11 @@ def custom_functions_recorded():
     autograd formula stay ops in the graph and are not recorded."""
     applied: dict[type, tuple] = {}
     original = torch.autograd.Function.apply.__func__
+    tracing_thread = threading.get_ident()  # the patch is process-wide; others pass through
 
     def apply(cls, *args, **kwargs):
-        if not cls.__module__.startswith("torch.") and cls not in applied:
+        mine = threading.get_ident() == tracing_thread
+        if mine and not cls.__module__.startswith("torch.") and cls not in applied:
             applied[cls] = (_specs(args), _specs(kwargs))
         return original(cls, *args, **kwargs)
 
