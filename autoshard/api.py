@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ def plan(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    overlap: bool = True,
 ) -> Plan:
     """Plan `model` for a mesh of `mesh_shape` without any process group.
 
@@ -60,7 +61,9 @@ def plan(
     a dict from module-path patterns (``"layers.*.fc1"``) to families; a
     single family with a budget only chooses where to recompute. `optimizer`
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
-    number).
+    number). `overlap` (the default) has backward launch the gradient buckets'
+    reductions and go on computing, waiting for them only at its end, and prices
+    them so; False runs each to completion where it is launched (`Plan.overlap`).
     """
     return trace_and_plan(
         model,
@@ -72,6 +75,7 @@ def plan(
             hardware=hardware,
             strategy_space=strategy_space,
             optimizer=optimizer,
+            overlap=overlap,
         ),
     )[1]
 
@@ -177,6 +181,7 @@ def compile(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    overlap: bool = True,
     plan: Plan | None = None,
 ) -> Compiled:
     """Trace, plan and emit `model` for a mesh of `mesh_shape`, with no process group:
@@ -189,6 +194,7 @@ def compile(
         hardware=hardware,
         strategy_space=strategy_space,
         optimizer=optimizer,
+        overlap=overlap,
     )
     return _compiled(model, Mesh.from_shape(mesh_shape), example_inputs, options, plan)
 
@@ -205,6 +211,8 @@ def _applied(plan: Plan | None, traced: Traced, mesh: Mesh, options: PlanOptions
     """`plan` checked against `traced` and `mesh`, or a new one solved for them."""
     if plan is None:
         return plan_traced(traced, mesh, options)
+    if plan.overlap != options.overlap:  # a runtime setting: the plan's layouts stand
+        plan = replace(plan, overlap=options.overlap)
     if plan.mesh != mesh:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {mesh}; plan again")
     check_plan(plan, traced)
@@ -221,6 +229,7 @@ def parallelize(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    overlap: bool = True,
     plan: Plan | None = None,
     compiled: Compiled | None = None,
     check: bool | str = True,
@@ -251,6 +260,7 @@ def parallelize(
             hardware=hardware,
             strategy_space=strategy_space,
             optimizer=optimizer,
+            overlap=overlap,
         )
         compiled = _compiled(model, layout, example_inputs, options, plan)
     elif compiled.plan.mesh != layout:

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from autoshard.layout import Step
 from autoshard.planning.plan import Plan
 from autoshard.runtime import ops
-from autoshard.runtime.comm import STEP_FUNCTIONS, grad_bucket
+from autoshard.runtime.comm import STEP_FUNCTIONS, grad_bucket, grad_wait
 from autoshard.strategies.conv import CONVOLUTIONS
 from autoshard.tracing.trace import tensor_inputs
 
@@ -145,32 +145,52 @@ class InsertCollectives:
         return self.converted[key]
 
     def _insert_buckets(self, graph: fx.Graph) -> None:
-        """One `grad_bucket` call per bucket, before the first op: the parameters it
-        serves pass through it (and through the next bucket of another axis)."""
+        """One `grad_bucket` call per bucket, before the first node that reads a
+        parameter of one: the parameters it serves pass through it (and through the
+        next bucket of another axis). Autograd runs a bucket's backward once every
+        reader's is done, and, as it takes ready nodes latest-made first, before the
+        backward of the ops above it. With `Plan.overlap` that backward only launches
+        the reductions, so they run while those ops' backward does, and a `grad_wait`
+        before the first op (run last) waits for them."""
         if not self.plan.buckets:
             return
         nodes = {n.name: n for n in graph.nodes}
+        served = {name for bucket in self.plan.buckets for name, _ in bucket.serves}
         first_op = next(n for n in graph.nodes if n.op == "call_function")
+        first_reader = next(n for n in graph.nodes if n.name in served)
         current = {}
         for bucket in self.plan.buckets:
-            values = []
             for name, i in bucket.serves:
                 current.setdefault((name, i), tensor_inputs(nodes[name])[i])
-                values.append(current[name, i])
-            serves = tuple(name for name, _ in bucket.serves)
+        if self.plan.overlap:
             with graph.inserting_before(first_op):
-                kwargs = {"axis": bucket.axis, "node": bucket.name, "serves": serves}
-                if len(bucket.calls) > 1:
-                    kwargs["calls"] = bucket.calls
-                call = graph.create_node(
-                    "call_function", grad_bucket, (tuple(values),), kwargs, name=bucket.name
-                )
-                call.meta["autoshard_serves"] = bucket.name
-                for k, (served, value) in enumerate(zip(bucket.serves, values)):
-                    current[served] = graph.call_function(operator.getitem, (call, k))
-                    current[served].meta["val"] = value.meta.get("val")
-                    current[served].meta["autoshard_serves"] = bucket.name
+                current = self._passed(graph, grad_wait, (tuple(current.values()),), {}, current)
+        for bucket in self.plan.buckets:
+            serves = tuple(name for name, _ in bucket.serves)
+            kwargs = {"axis": bucket.axis, "node": bucket.name, "serves": serves}
+            if len(bucket.calls) > 1:
+                kwargs["calls"] = bucket.calls
+            if self.plan.overlap:
+                kwargs["overlap"] = True
+            values = tuple(current[served] for served in bucket.serves)
+            with graph.inserting_before(first_reader):
+                passed = {served: current[served] for served in bucket.serves}
+                current.update(self._passed(graph, grad_bucket, (values,), kwargs, passed))
         self.converted.update(current)
+
+    @staticmethod
+    def _passed(graph: fx.Graph, function, args, kwargs, values: dict) -> dict:
+        """`values` (key → node) passed through one call of `function`, which returns
+        them in order: key → the call's output for it."""
+        name = kwargs.get("node", function.__name__)
+        call = graph.create_node("call_function", function, args, kwargs, name=name)
+        call.meta["autoshard_serves"] = name
+        out = {}
+        for k, (key, value) in enumerate(values.items()):
+            out[key] = graph.call_function(operator.getitem, (call, k))
+            out[key].meta["val"] = value.meta.get("val")
+            out[key].meta["autoshard_serves"] = name
+        return out
 
     @staticmethod
     def _replace_uses(node: fx.Node, new: fx.Node) -> None:

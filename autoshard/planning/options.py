@@ -26,6 +26,7 @@ class PlanOptions:
     memory_budget: float | None = None  # bytes per rank; None: the hardware's memory
     strategy_space: str = "3d"  # what the solver chooses from ("3d" or "all")
     optimizer: float = OPTIMIZERS["adam"]  # optimizer-state bytes per parameter byte
+    overlap: bool = True  # gradient-bucket reductions overlap backward (`Plan.overlap`)
 
     @classmethod
     def from_user(
@@ -36,6 +37,7 @@ class PlanOptions:
         hardware: Hardware | str | None = None,
         strategy_space: str = "3d",
         optimizer: str | float = "adam",
+        overlap: bool = True,
     ) -> PlanOptions:
         """The keywords of `autoshard.plan` as given (a budget like ``"80GiB"``, a
         hardware preset name or profile path, an optimizer name), resolved."""
@@ -47,6 +49,7 @@ class PlanOptions:
             memory_budget=parse_budget(memory_budget),
             strategy_space=strategy_space,
             optimizer=_optimizer(optimizer),
+            overlap=_overlap(overlap),
         )
 
 
@@ -58,3 +61,9 @@ def _optimizer(optimizer: str | float) -> float:
             )
         return OPTIMIZERS[optimizer]
     return float(optimizer)
+
+
+def _overlap(overlap: bool) -> bool:
+    if not isinstance(overlap, bool):
+        raise StrategyError(f"overlap={overlap!r}: give True (the default) or False")
+    return overlap

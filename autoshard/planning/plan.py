@@ -133,6 +133,9 @@ class Plan:
     fallbacks: dict[str, str] = field(default_factory=dict, compare=False)
     shared: tuple[SharedInput, ...] = ()  # conversions read by several nodes, run once
     buckets: tuple[Bucket, ...] = ()  # parameter-gradient reductions packed together
+    # backward launches the buckets' reductions and waits at its end: they run while
+    # the ops above the first parameter a bucket serves compute their gradients
+    overlap: bool = True
 
     @cached_property
     def conversions(self) -> dict[tuple[str, int], str]:
@@ -299,6 +302,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "cost": plan.cost.to_dict() if plan.cost else None,
         "shared": [asdict(x) for x in plan.shared],
         "buckets": [asdict(b) for b in plan.buckets],
+        "overlap": plan.overlap,
     }
 
 
@@ -373,6 +377,7 @@ def plan_from_dict(d) -> Plan:
         reasons=r.strings(r.field(d, "reasons", "plan", dict), "plan.reasons"),
         shared=tuple(r.shared(x, f"plan.shared[{i}]", nodes) for i, x in enumerate(shared)),
         buckets=tuple(r.bucket(x, f"plan.buckets[{i}]", nodes) for i, x in enumerate(buckets)),
+        overlap=r.check(d.get("overlap", True), "plan.overlap", bool),
     )
 
 

@@ -997,6 +997,7 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
             raise StrategyError("memory_budget needs strategy=None or a single family name")
         plan = plan_graph(traced, mesh, strategy)
         plan = share_collectives(traced, plan, units_of(traced, plan))
+        plan.overlap = options.overlap
     else:
         check_strategy(strategy)
         space = (strategy,) if strategy else SPACES[options.strategy_space]
@@ -1008,18 +1009,29 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
             traced, mesh, hardware, space, options.optimizer, fallback=not strategy
         )
         choice = solve(problem, memory_budget)
-        plan = plan_choice(traced, mesh, problem, choice, hardware, options.optimizer)
+        plan = plan_choice(
+            traced, mesh, problem, choice, hardware, options.optimizer, options.overlap
+        )
         plan.reasons = reasons(problem, choice, memory_budget)
         return plan
     plan.cost = estimate(traced, plan, hardware, options.optimizer)
     return plan
 
 
-def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
+def plan_choice(
+    traced,
+    mesh,
+    problem: Problem,
+    choice: dict[str, Option],
+    hardware,
+    optimizer,
+    overlap: bool = True,
+):
     """The plan of `choice`: every node with the strategy the plan of its unit's variant
     gives it; a value crossing into a unit of another variant is converted straight
     to the layout its reader computes on, as `Crossing` prices it; conversions shared
-    and gradients bucketed as the problem priced them."""
+    and gradients bucketed as the problem priced them, their reductions overlapped
+    with backward if `overlap` (`Plan.overlap`)."""
     variant = {name: choice[u].variant for name, u in problem.unit.items()}
     fixed = {name: problem.plans[v].nodes[name].strategy for name, v in variant.items()}
     knobs: dict[str, Knobs] = {}
@@ -1043,6 +1055,7 @@ def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardw
         if (note := problem.plans[v].fallbacks.get(name)) is not None
     ]
     plan = share_collectives(traced, plan, problem.unit)
+    plan.overlap = overlap
     plan.cost = estimate(traced, plan, hardware, optimizer)
     return plan
 

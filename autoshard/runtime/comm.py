@@ -313,11 +313,15 @@ def to_partial(x, *, axis: str, backward: str = "identity", node: str, mesh: Bou
 class _GradBucket(torch.autograd.Function):
     """Identity on several tensors whose backward all-reduces their gradients together:
     autograd calls it once every output's gradient is ready, and one flat buffer goes
-    over the axis, in the calls the plan cut it into."""
+    over the axis, in the calls the plan cut it into. With `overlap` the calls are
+    launched and left running (`_PENDING`): the gradients it returns are views of the
+    buffer still being reduced, which `_GradWait` (or the next bucket) waits for."""
 
     @staticmethod
-    def forward(ctx, axis, node, serves, calls, *tensors):
+    def forward(ctx, axis, node, serves, calls, overlap, *tensors):
         ctx.axis, ctx.node, ctx.serves, ctx.calls = axis, node, serves, calls
+        # compiled, the collectives are inductor's to schedule (and overlap)
+        ctx.overlap = overlap and not torch.compiler.is_compiling()
         ctx.like = [(t.shape, t.dtype) for t in tensors]
         # A tensor no output of the program reads gets no gradient (None, as in the
         # serial model, so that optimizers skip it), though it still fills its place in
@@ -329,7 +333,9 @@ class _GradBucket(torch.autograd.Function):
     def backward(ctx, *given):
         unused = [g is None for g in given]
         if all(unused):
-            return None, None, None, None, *given
+            return None, None, None, None, None, *given
+        if ctx.overlap:  # a gradient of a later bucket over another axis, still running
+            _wait_for(given)
         device = [g.device for g in given if g is not None][0]
         grads = [
             torch.zeros(shape, dtype=dtype, device=device) if g is None else g
@@ -340,7 +346,11 @@ class _GradBucket(torch.autograd.Function):
         pieces = flat.split([nbytes // flat.element_size() for _, nbytes in calls])
         start = 0
         for (name, nbytes), piece in zip(calls, pieces):
-            _reduce_(piece, ctx.axis)
+            if ctx.overlap:
+                work = dist.all_reduce(piece, group=ctx.axis.group, async_op=True)
+                _PENDING.setdefault(_storage(flat), []).append(work)
+            else:
+                _reduce_(piece, ctx.axis)
             if _logging():
                 served = _served(ctx.serves, grads, start, start + nbytes)
                 _record("all_reduce", ctx.axis, nbytes, name, "backward", served)
@@ -351,8 +361,52 @@ class _GradBucket(torch.autograd.Function):
             None,
             None,
             None,
+            None,
             *[None if skip else p.view_as(g) for p, g, skip in zip(parts, grads, unused)],
         )
+
+
+# Reductions launched by overlapped buckets and not yet waited for, by the storage of
+# the flat buffer they reduce in place (the gradients handed on are views of it).
+_PENDING: dict[int, list] = {}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _wait_for(grads) -> None:
+    """Wait for the reductions still running on the buffers `grads` are views of."""
+    for g in grads:
+        if g is not None:
+            for work in _PENDING.pop(_storage(g), ()):
+                work.wait()
+
+
+class _GradWait(torch.autograd.Function):
+    """Identity whose backward waits for the overlapped bucket reductions of its
+    outputs' gradients: the program's first call, so that autograd runs it last (it
+    takes ready nodes latest-made first), after every other op's backward, and before
+    the gradients reach the parameters (or anything else reads them)."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        ctx.set_materialize_grads(False)
+        return tuple([t.view_as(t) for t in tensors])
+
+    @staticmethod
+    def backward(ctx, *given):
+        _wait_for(given)
+        return given
+
+
+def grad_wait(tensors):
+    """`tensors` unchanged; backward waits for the reductions overlapped buckets
+    launched on their gradients (`grad_bucket(..., overlap=True)`). Compiled, the
+    buckets reduce in place of launch (inductor schedules them), so nothing is waited."""
+    if torch.compiler.is_compiling():
+        return tuple(tensors)
+    return _GradWait.apply(*tensors)
 
 
 def _served(serves, grads, start: int, stop: int) -> tuple[tuple[str, int], ...]:
@@ -369,12 +423,21 @@ def _served(serves, grads, start: int, stop: int) -> tuple[tuple[str, int], ...]
 
 @on_mesh
 def grad_bucket(
-    tensors, *, axis: str, node: str, serves: tuple[str, ...], calls=None, mesh: BoundMesh
+    tensors,
+    *,
+    axis: str,
+    node: str,
+    serves: tuple[str, ...],
+    calls=None,
+    overlap: bool = False,
+    mesh: BoundMesh,
 ):
     """`tensors` unchanged; backward all-reduces their gradients over `axis` in one call
     (a bucket named `node`; ``serves[k]`` is the node that reads ``tensors[k]``), or,
-    for a bucket larger than one call, in `calls`: (name, bytes) of each, in order."""
-    return _GradBucket.apply(mesh.axes[axis], node, serves, calls, *tensors)
+    for a bucket larger than one call, in `calls`: (name, bytes) of each, in order.
+    With `overlap` backward launches the calls and goes on; a `grad_wait` on the
+    parameters waits for them."""
+    return _GradBucket.apply(mesh.axes[axis], node, serves, calls, overlap, *tensors)
 
 
 @torch.no_grad()
