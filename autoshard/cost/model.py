@@ -66,7 +66,7 @@ from autoshard.strategies.registry import numel as _numel
 from autoshard.tracing.trace import structure, tensor_inputs
 
 if TYPE_CHECKING:
-    from autoshard.planning.plan import NodePlan, Plan
+    from autoshard.planning.plan import Bucket, NodePlan, Plan
     from autoshard.tracing.trace import Traced
 
 
@@ -315,11 +315,13 @@ def linear_3d_volume(T, H, O, d) -> sympy.Expr:
 class Cost:
     """What a plan costs per rank and per training step."""
 
-    step_time: float  # seconds: compute, recompute and communication
+    step_time: float  # seconds: compute, recompute and communication, less `overlapped`
     peak_memory: int  # bytes
     compute: float  # seconds of forward and backward compute
     recompute: float  # seconds replaying checkpointed regions (their compute and collectives)
     communication: dict[str, float] = field(default_factory=dict)  # seconds per mesh axis
+    # seconds of `communication` that run while other work does (`Plan.overlap`)
+    overlapped: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -332,6 +334,7 @@ class Cost:
             compute=float(data["compute"]),
             recompute=float(data["recompute"]),
             communication={str(k): float(v) for k, v in data["communication"].items()},
+            overlapped=float(data.get("overlapped", 0.0)),
         )
 
 
@@ -376,6 +379,13 @@ def _bucketed_comm(node_plan: NodePlan, plan: Plan, hardware: Hardware) -> dict[
         link = hardware.link(plan.mesh.index(step.axis))
         out[step.axis] += ALL_REDUCE(step.nbytes, step.group_size, 0.0, link.beta)
     return dict(out)
+
+
+def bucket_seconds(bucket: Bucket, mesh: Mesh, hardware: Hardware) -> float:
+    """Seconds of all of `bucket`'s calls: each call's latency, and its bytes'."""
+    link = hardware.link(mesh.index(bucket.axis))
+    bandwidth = ALL_REDUCE(bucket.nbytes, bucket.group_size, 0.0, link.beta)
+    return len(bucket.calls) * bucket_latency(bucket.axis, mesh, hardware) + bandwidth
 
 
 def bucket_latency(axis: str, mesh: Mesh, hardware: Hardware) -> float:

@@ -6,7 +6,8 @@
 Time is the sum over nodes of forward and backward compute and collectives,
 plus, for nodes in a recomputed region, their forward compute and
 collectives once more, plus the latency of each gradient-bucket call (a
-bucket's bandwidth is priced with the gradients it reduces).
+bucket's bandwidth is priced with the gradients it reduces), less what of the
+buckets' reductions runs while other work does (`autoshard.planning.overlap`).
 
 Memory follows the step unit by unit (`autoshard.planning.units`): parameters with
 their gradients and optimizer state live throughout; each unit keeps what
@@ -39,6 +40,7 @@ from autoshard.cost.model import (
     stored_bytes,
 )
 from autoshard.planning.collectives import dtype_name
+from autoshard.planning.overlap import overlapped
 from autoshard.planning.plan import Plan
 from autoshard.planning.units import kept_resident, units_of
 from autoshard.tracing.trace import Traced, tensor_inputs
@@ -175,10 +177,12 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
         kept, own = own_memory(total, recomputed)
         peak = max(peak, whole.params + held + own + total.transient)
         held += kept
+    hidden = overlapped(plan, costs, hardware)
     return Cost(
-        step_time=whole.compute + recompute + sum(comm.values()),
+        step_time=whole.compute + recompute + sum(comm.values()) - hidden,
         peak_memory=int(peak),
         compute=whole.compute,
         recompute=recompute,
         communication=comm,
+        overlapped=hidden,
     )

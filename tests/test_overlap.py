@@ -1,0 +1,137 @@
+"""Gradient-bucket reductions overlapped with backward (`Plan.overlap`, the default):
+backward launches a bucket's calls and goes on, waiting where a result is read (a
+bucket over another axis, the parameters' gradients). The program still equals
+serial with it on and off, logs exactly the predicted calls, and the cost model takes
+off the step time what runs hidden (`autoshard.planning.overlap`)."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.cost.hardware import Hardware
+from autoshard.planning.overlap import backward_end
+from autoshard.planning.plan import Bucket
+from autoshard.runtime import comm
+from autoshard.runtime.ranks import shared_pool
+from autoshard.testing import assert_equivalent, load_factory
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+GPT, MLP = f"{EXAMPLES}/gpt.py:gpt", f"{EXAMPLES}/mlp.py:mlp"
+MESH = (2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "factory, overlap", [(GPT, False), (MLP, True), (MLP, False)], ids=["gpt-off", "mlp", "mlp-off"]
+)
+def test_the_program_equals_serial_with_overlap_on_and_off(factory, overlap):
+    # GPT with overlap on: tests/test_shared_collectives.py (the default)
+    assert_equivalent(factory, MESH, strategy="3d", overlap=overlap)
+
+
+def _accumulated(mesh, programs):
+    """Per program: the calls logged over two backward passes that accumulate into
+    the same gradients, how many bucket calls were launched asynchronously, and the
+    full gradients."""
+    launched = []
+    synchronous = comm.dist.all_reduce
+
+    def counted(*args, **kwargs):
+        launched.append(kwargs.get("async_op", False))
+        return synchronous(*args, **kwargs)
+
+    out = []
+    for compiled in programs:
+        torch.manual_seed(0)
+        model, inputs = load_factory(GPT)()
+        parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
+        launched.clear()
+        comm.dist.all_reduce = counted
+        try:
+            with autoshard.comm_log() as log:
+                for _ in range(2):
+                    parallel(*inputs).backward()
+        finally:
+            comm.dist.all_reduce = synchronous
+        logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
+        out.append((logged, sum(launched), parallel.full_grads(), len(comm._PENDING)))
+    return out
+
+
+def test_overlapped_reductions_are_waited_for_accumulate_and_log_as_predicted():
+    model, inputs = load_factory(GPT)()
+    programs = [
+        autoshard.compile(model, MESH, inputs, strategy="3d", overlap=overlap)
+        for overlap in (True, False)
+    ]
+    on, off = (program.plan for program in programs)
+    assert on.overlap and not off.overlap
+    calls = sum(len(b.calls) for b in on.buckets)
+    for ranks in shared_pool(8).run(_accumulated, MESH, programs):
+        (logged, launched, grads, pending), (plain, synchronous, want, _) = ranks
+        for plan, log in ((on, logged), (off, plain)):
+            predicted = Counter(
+                (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in plan.predicted_calls()
+            )
+            assert log == Counter({key: 2 * n for key, n in predicted.items()})
+        assert (launched, synchronous) == (2 * calls, 0)  # each bucket call, each pass
+        assert not pending  # every launched reduction was waited for
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():  # two passes accumulated, as without overlap
+            assert torch.equal(grad, want[name]), name
+
+
+@pytest.mark.parametrize("hardware", ["nvlink-8", "ib-cluster"])
+@pytest.mark.parametrize("factory", [GPT, MLP], ids=["gpt", "mlp"])
+def test_overlap_never_lengthens_the_predicted_step(factory, hardware):
+    model, inputs = load_factory(factory)()
+    on, off = (
+        autoshard.plan(model, MESH, inputs, strategy="3d", hardware=hardware, overlap=overlap)
+        for overlap in (True, False)
+    )
+    assert off.cost.overlapped == 0.0
+    assert 0.0 < on.cost.overlapped <= sum(on.cost.communication.values())
+    assert on.cost.step_time == pytest.approx(off.cost.step_time - on.cost.overlapped)
+    assert on.cost.communication == off.cost.communication  # the same calls, hidden or not
+
+
+def test_buckets_over_different_axes_run_side_by_side():
+    # The 3d MLP's buckets (a parameter replicated over a and b is reduced over b
+    # first, then a): c and b launch together, a once b's are done. Its first op
+    # reads a bucketed parameter, so no compute follows: hidden is min(R_b, R_c),
+    # R = 2(n−1)α + 2(n−1)/n·S/β for a call of S bytes over n = 2 ranks (β: bytes/s).
+    model, inputs = load_factory(MLP)()
+    hardware = Hardware.load("nvlink-8")
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d", hardware=hardware)
+    buckets = {b.axis: b for b in plan.buckets}
+    assert [b.axis for b in plan.buckets] == ["a", "b", "c"]
+    assert set(buckets["b"].serves) & set(buckets["a"].serves)
+    assert set(buckets["c"].serves) & set(buckets["a"].serves)
+    assert not set(buckets["b"].serves) & set(buckets["c"].serves)
+
+    def seconds(axis):
+        link = hardware.link(plan.mesh.index(axis))
+        return 2 * link.alpha + buckets[axis].nbytes / link.beta
+
+    assert plan.cost.overlapped == pytest.approx(min(seconds("b"), seconds("c")), rel=1e-12)
+
+
+def _bucket(name, axis, *serves):
+    return Bucket(name, axis, 2, "float32", 4, tuple((s, 0) for s in serves))
+
+
+def test_backward_ends_when_the_compute_after_and_every_reduction_are_done():
+    a, b = _bucket("a", "a", "x"), _bucket("b", "b", "y")
+    seconds = {"a": 3.0, "b": 2.0}
+    # independent: both launched at once, beside the compute above the first reader
+    assert backward_end((a, b), seconds, after=1.0) == 3.0
+    assert backward_end((a, b), seconds, after=5.0) == 5.0
+    # a reduces what b reduced: autograd waits for b, then launches a
+    chained = _bucket("b", "b", "x")
+    assert backward_end((a, chained), seconds, after=1.0) == 2.0 + 3.0
+    assert backward_end((a, chained), seconds, after=4.0) == 2.0 + 4.0
+    # two buckets over one axis (two dtypes) take turns on it
+    same = _bucket("b", "a", "y")
+    assert backward_end((a, same), seconds, after=1.0) == 5.0
