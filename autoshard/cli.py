@@ -425,6 +425,8 @@ def _cost_table(plan: Plan, hardware: str, budget: float | None) -> Table:
     table.add_row("  recompute", f"{cost.recompute * 1e3:.3f} ms")
     for axis, seconds in cost.communication.items():
         table.add_row(f"  communication over {axis}", f"{seconds * 1e3:.3f} ms")
+    if cost.overlapped:  # what of it runs while backward computes (`Plan.overlap`)
+        table.add_row("  of which overlapped", f"−{cost.overlapped * 1e3:.3f} ms")
     limit = f" (budget {human_bytes(budget)})" if budget else ""
     table.add_row("peak memory", f"{human_bytes(cost.peak_memory)}{limit}")
     return table
