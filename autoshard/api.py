@@ -48,6 +48,7 @@ def plan(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    loss_chunks: int | None = None,
 ) -> Plan:
     """Plan `model` for a mesh of `mesh_shape` without any process group.
 
@@ -60,7 +61,9 @@ def plan(
     a dict from module-path patterns (``"layers.*.fc1"``) to families; a
     single family with a budget only chooses where to recompute. `optimizer`
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
-    number).
+    number). `loss_chunks` runs the loss over its tokens in that many pieces (1:
+    never; None, the default: the solver chooses, pricing the memory each count saves
+    against its collectives' latency; `autoshard.planning.chunking`).
     """
     return trace_and_plan(
         model,
@@ -72,6 +75,7 @@ def plan(
             hardware=hardware,
             strategy_space=strategy_space,
             optimizer=optimizer,
+            loss_chunks=loss_chunks,
         ),
     )[1]
 
@@ -177,6 +181,7 @@ def compile(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    loss_chunks: int | None = None,
     plan: Plan | None = None,
 ) -> Compiled:
     """Trace, plan and emit `model` for a mesh of `mesh_shape`, with no process group:
@@ -189,6 +194,7 @@ def compile(
         hardware=hardware,
         strategy_space=strategy_space,
         optimizer=optimizer,
+        loss_chunks=loss_chunks,
     )
     return _compiled(model, Mesh.from_shape(mesh_shape), example_inputs, options, plan)
 
@@ -221,6 +227,7 @@ def parallelize(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
+    loss_chunks: int | None = None,
     plan: Plan | None = None,
     compiled: Compiled | None = None,
     check: bool | str = True,
@@ -251,6 +258,7 @@ def parallelize(
             hardware=hardware,
             strategy_space=strategy_space,
             optimizer=optimizer,
+            loss_chunks=loss_chunks,
         )
         compiled = _compiled(model, layout, example_inputs, options, plan)
     elif compiled.plan.mesh != layout:

@@ -26,6 +26,9 @@ class PlanOptions:
     memory_budget: float | None = None  # bytes per rank; None: the hardware's memory
     strategy_space: str = "3d"  # what the solver chooses from ("3d" or "all")
     optimizer: float = OPTIMIZERS["adam"]  # optimizer-state bytes per parameter byte
+    # pieces the loss runs in over the tokens (`autoshard.planning.chunking`): None, the
+    # solver chooses; 1, never in pieces; k, in k pieces where the model allows it
+    loss_chunks: int | None = None
 
     @classmethod
     def from_user(
@@ -36,6 +39,7 @@ class PlanOptions:
         hardware: Hardware | str | None = None,
         strategy_space: str = "3d",
         optimizer: str | float = "adam",
+        loss_chunks: int | None = None,
     ) -> PlanOptions:
         """The keywords of `autoshard.plan` as given (a budget like ``"80GiB"``, a
         hardware preset name or profile path, an optimizer name), resolved."""
@@ -47,6 +51,7 @@ class PlanOptions:
             memory_budget=parse_budget(memory_budget),
             strategy_space=strategy_space,
             optimizer=_optimizer(optimizer),
+            loss_chunks=_loss_chunks(loss_chunks),
         )
 
 
@@ -58,3 +63,13 @@ def _optimizer(optimizer: str | float) -> float:
             )
         return OPTIMIZERS[optimizer]
     return float(optimizer)
+
+
+def _loss_chunks(chunks: int | None) -> int | None:
+    whole = isinstance(chunks, int) and not isinstance(chunks, bool)
+    if chunks is not None and (not whole or chunks < 1):
+        raise StrategyError(
+            f"loss_chunks={chunks!r}: give a positive number of pieces (1: never chunk the "
+            "loss), or None to let the solver choose"
+        )
+    return chunks
