@@ -8,11 +8,13 @@ the vocabulary-parallel loss over the tokens in k pieces, one after the other, a
 only 1/k of those buffers lives at a time; what is kept for backward is the same, and
 each piece pays the latency of its own collectives (`autoshard.planning.plan.ChunkedLoss`).
 
+    >>> from pathlib import Path
     >>> from autoshard.mesh import Mesh
     >>> from autoshard.planning.planner import plan_graph
     >>> from autoshard.testing import load_factory
     >>> from autoshard.tracing.trace import trace
-    >>> traced = trace(*load_factory("examples/gpt.py:gpt")(seq=16))
+    >>> gpt = Path(__file__).parents[2] / "examples" / "gpt.py"
+    >>> traced = trace(*load_factory(f"{gpt}:gpt")(seq=16))
     >>> plan = plan_graph(traced, Mesh.from_shape((2, 2, 2)), "3d")
     >>> [(c.head, c.loss, c.chunks, c.dim) for c in chunkings(traced, plan)][:2]
     [('linear_12', 'cross_entropy_loss', 2, 1), ('linear_12', 'cross_entropy_loss', 4, 1)]
