@@ -258,6 +258,8 @@ def _header(console: Console, model, plan: Plan, strategy, parameters: dict) -> 
         grid.add_row(
             "strategy", _plain(json.dumps(strategy) if isinstance(strategy, dict) else strategy)
         )
+    for c in plan.chunked:
+        grid.add_row("loss", f"{c.loss} and its head {c.head} over the tokens in {c.chunks} chunks")
     grid.add_row("nodes", str(len(plan.nodes)))
     grid.add_row(
         "parameters",

@@ -46,6 +46,7 @@ def test_a_loss_in_pieces_matches_serial(factory, chunks):
     model, inputs = load_factory(factory)()
     plan = autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=chunks)
     assert [c.chunks for c in plan.chunked] == [chunks]
+    assert autoshard.Plan.from_json(plan.to_json()).chunked == plan.chunked
     assert_equivalent(factory, MESH, plan=plan)
 
 
@@ -108,5 +109,7 @@ def test_the_solver_chunks_the_loss_where_the_budget_needs_it():
 
 def test_a_loss_that_cannot_run_in_pieces_is_refused_by_name():
     model, inputs = wide_gpt()
-    with pytest.raises(StrategyError, match="loss_chunks=3: the loss's tokens divide into"):
+    with pytest.raises(
+        StrategyError, match="loss_chunks=3: the loss's tokens do not divide into 3 pieces here"
+    ):
         autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=3)

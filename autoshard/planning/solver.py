@@ -65,7 +65,7 @@ from autoshard.cost.model import NodeCost, bucket_latency, node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
-from autoshard.planning.chunking import chunkings
+from autoshard.planning.chunking import CHUNKS, chunkings
 from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
@@ -304,10 +304,9 @@ def build_problem(
     signatures = _Signatures(traced, plans, members)
     for (family, order), plan in plans.items():
         users = first_users(traced, plan)
+        counts = CHUNKS if loss_chunks is None else (loss_chunks,) * (loss_chunks > 1)
         pieces: list[ChunkedLoss | None] = [
-            c
-            for c in chunkings(traced, plan)
-            if loss_chunks in (None, c.chunks) and {unit[n] for n in c.nodes} == {EPILOGUE}
+            c for c in chunkings(traced, plan, counts) if {unit[n] for n in c.nodes} == {EPILOGUE}
         ]
         if loss_chunks in (None, 1) or not pieces:  # unchunked, where it must be
             pieces.insert(0, None)
@@ -605,9 +604,16 @@ def _add_crossings(
     for u in problem.units:
         for g_option in problem.options[u]:
             g = g_option.variant
-            chunked = problem.chunked.get((u, g, g_option.chunks))
-            own_plan, own_costs = _chunked(traced, problem.plans[g], costs[g], chunked, hardware)
             for v, wires in wiring[u].items():
+                # a loss in pieces changes the crossing only where its nodes read from v
+                chunked = problem.chunked.get((u, g, g_option.chunks))
+                if chunked is not None and not any(
+                    members[u][position] in chunked.nodes for position, *_ in wires
+                ):
+                    chunked = None
+                own_plan, own_costs = _chunked(
+                    traced, problem.plans[g], costs[g], chunked, hardware
+                )
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
@@ -1069,13 +1075,14 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
 
 def _forced_chunks(traced: Traced, plan: Plan, chunks: int) -> ChunkedLoss:
     """The loss of `plan` run in `chunks` pieces; StrategyError saying why it cannot be."""
-    found = [c for c in chunkings(traced, plan) if c.chunks == chunks]
+    found = chunkings(traced, plan, (chunks,))
     if not found:
-        counts = sorted({c.chunks for c in chunkings(traced, plan)})
+        counts = [k for k in range(2, chunks) if chunkings(traced, plan, (k,))]
         raise StrategyError(
             f"loss_chunks={chunks}: "
             + (
-                f"the loss's tokens divide into {counts} pieces only; choose one of those"
+                f"the loss's tokens do not divide into {chunks} pieces here (they do into "
+                f"{', '.join(map(str, counts))})"
                 if counts
                 else "no loss here runs in pieces (a vocabulary-parallel cross-entropy of "
                 "the logits of a linear without bias, through views only)"
