@@ -49,6 +49,7 @@ def plan(
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
     overlap: bool = True,
+    loss_chunks: int | None = None,
 ) -> Plan:
     """Plan `model` for a mesh of `mesh_shape` without any process group.
 
@@ -64,6 +65,9 @@ def plan(
     number). `overlap` (the default) has backward launch the gradient buckets'
     reductions and go on computing, waiting for them only at its end, and prices
     them so; False runs each to completion where it is launched (`Plan.overlap`).
+    number). `loss_chunks` runs the loss over its tokens in that many pieces (1:
+    never; None, the default: the solver chooses, pricing the memory each count saves
+    against its collectives' latency; `autoshard.planning.chunking`).
     """
     return trace_and_plan(
         model,
@@ -76,6 +80,7 @@ def plan(
             strategy_space=strategy_space,
             optimizer=optimizer,
             overlap=overlap,
+            loss_chunks=loss_chunks,
         ),
     )[1]
 
@@ -182,6 +187,7 @@ def compile(
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
     overlap: bool = True,
+    loss_chunks: int | None = None,
     plan: Plan | None = None,
 ) -> Compiled:
     """Trace, plan and emit `model` for a mesh of `mesh_shape`, with no process group:
@@ -195,6 +201,7 @@ def compile(
         strategy_space=strategy_space,
         optimizer=optimizer,
         overlap=overlap,
+        loss_chunks=loss_chunks,
     )
     return _compiled(model, Mesh.from_shape(mesh_shape), example_inputs, options, plan)
 
@@ -230,6 +237,7 @@ def parallelize(
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
     overlap: bool = True,
+    loss_chunks: int | None = None,
     plan: Plan | None = None,
     compiled: Compiled | None = None,
     check: bool | str = True,
@@ -261,6 +269,7 @@ def parallelize(
             strategy_space=strategy_space,
             optimizer=optimizer,
             overlap=overlap,
+            loss_chunks=loss_chunks,
         )
         compiled = _compiled(model, layout, example_inputs, options, plan)
     elif compiled.plan.mesh != layout:

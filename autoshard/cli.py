@@ -258,6 +258,8 @@ def _header(console: Console, model, plan: Plan, strategy, parameters: dict) -> 
         grid.add_row(
             "strategy", _plain(json.dumps(strategy) if isinstance(strategy, dict) else strategy)
         )
+    for c in plan.chunked:
+        grid.add_row("loss", f"{c.loss} and its head {c.head} over the tokens in {c.chunks} chunks")
     grid.add_row("nodes", str(len(plan.nodes)))
     grid.add_row(
         "parameters",
@@ -448,6 +450,7 @@ def show(args, console: Console) -> None:
         memory_budget=memory_budget(args.budget),
         hardware=args.hardware,
         strategy_space=args.space,
+        loss_chunks=args.loss_chunks,
     )
     budget, hardware = options.memory_budget, options.hardware
     if not 0 <= args.rank < mesh.world_size:
@@ -635,6 +638,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("3d", "all"),
         help="what the solver chooses from: the 3D families and replicated (3d), or also every "
         "role assignment and the named megatron and dp layouts (all) (default: 3d)",
+    )
+    show_parser.add_argument(
+        "--loss-chunks",
+        type=int,
+        default=None,
+        help="run the loss over its tokens in this many pieces (1: never; default: the "
+        "solver chooses)",
     )
     show_parser.add_argument(
         "--hardware",

@@ -2,8 +2,8 @@
 
 A pass never decides: what to do is in the plan. `emit` runs them in order:
 
-    insert collectives → localize → outline checkpoints → (per rank) shard parameters,
-    bind the mesh
+    insert collectives → localize → chunk losses → outline checkpoints → (per rank)
+    shard parameters, bind the mesh
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import fx
 from autoshard.planning.plan import Plan
 from autoshard.tracing.trace import Traced
 from passes.bind_mesh import BindMesh
+from passes.chunk_loss import ChunkLoss
 from passes.insert_collectives import InsertCollectives
 from passes.localize import Localize
 from passes.outline_checkpoints import OutlineCheckpoints
@@ -26,13 +27,15 @@ def emit(traced: Traced, plan: Plan) -> fx.GraphModule:
     Its attributes are still the global parameters; `ShardParameters` swaps
     in each rank's shards, and `BindMesh` gives it the rank's mesh."""
     gm = fx.GraphModule(traced.graph_module, copy.deepcopy(traced.graph_module.graph))
-    for rewrite in (InsertCollectives(plan), Localize(plan), OutlineCheckpoints(plan)):
+    rewrites = (InsertCollectives(plan), Localize(plan), ChunkLoss(plan), OutlineCheckpoints(plan))
+    for rewrite in rewrites:
         gm = rewrite(gm)
     return gm
 
 
 __all__ = [
     "BindMesh",
+    "ChunkLoss",
     "InsertCollectives",
     "Localize",
     "OutlineCheckpoints",

@@ -192,6 +192,7 @@ def test_every_show_flag_reaches_the_planner(capsys, monkeypatch):
         "--budget": ("1GiB", lambda got: got["memory_budget"] == 2**30),
         "--space": ("all", lambda got: got["strategy_space"] == "all"),
         "--hardware": ("ib-cluster", lambda got: got["hardware"].name == "ib-cluster"),
+        "--loss-chunks": ("1", lambda got: got["loss_chunks"] == 1),
     }
     display = {"--rank": "3", "--no-code": None}
     assert _show_flags() == {"--help", *planning, *display}

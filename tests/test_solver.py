@@ -98,10 +98,12 @@ def test_solver_equals_brute_force_for_several_budgets():
 
 def test_solver_equals_brute_force_where_layers_share_a_conversion():
     # q, k and v read one gathered layer-norm output: the gather is run by none of
-    # them only when all three keep their input as stored (`Problem.joint`).
+    # them only when all three keep their input as stored (`Problem.joint`). The unit
+    # after the block also runs its loss whole or in 4 pieces (`ChunkedLoss`).
     problem = _problem(GPT, families=("3d",), n_layer=1)
     assert sum(len(terms) for terms in problem.joint.values()) == 1
-    _equals_brute_force(problem, 10880)
+    assert {o.chunks for o in problem.options["<epilogue>"]} == {1, 4}
+    _equals_brute_force(problem, 16320)
 
 
 def test_an_infeasible_budget_names_the_smallest_that_fits():

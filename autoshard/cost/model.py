@@ -588,6 +588,7 @@ def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:
         placed.input_needs_grad,
         placed.needs_grad,
         tuple(id(plan.stored_layout(inp)) for inp in inputs),
+        plan.chunks(node.name),
     )
 
 
@@ -602,13 +603,21 @@ def _node_cost(node, node_plan, plan, hardware, mask_itemsize) -> tuple:
         for i, inp in enumerate(inputs)
     ]
     out_shape = strategy.output.local_shape(node_plan.shape, mesh)
-    forward, backward = node_compute_time(
-        node,
-        in_shapes,
-        out_shape,
-        _first_value(node).dtype,
-        hardware,
-        needs_grad=node_plan.input_needs_grad,
+    chunks = plan.chunks(node.name)  # pieces of a chunked loss run one after the other
+    piece_in = [
+        shape if inp.op == "get_attr" else _piece(shape, chunks)
+        for inp, shape in zip(inputs, in_shapes)
+    ]
+    forward, backward = (
+        chunks * seconds
+        for seconds in node_compute_time(
+            node,
+            piece_in,
+            _piece(out_shape, chunks),
+            _first_value(node).dtype,
+            hardware,
+            needs_grad=node_plan.input_needs_grad,
+        )
     )
     held = [inp.op == "get_attr" and not node_plan.input_steps[i] for i, inp in enumerate(inputs)]
     kept_shapes = [
@@ -626,8 +635,22 @@ def _node_cost(node, node_plan, plan, hardware, mask_itemsize) -> tuple:
         held=held,
         lowering=strategy.lowering,
     )
-    transient = _transient_bytes(node, node_plan, in_shapes, out_shape)
+    transient = _transient_bytes(node, node_plan, piece_in, _piece(out_shape, chunks))
+    if chunks > 1 and any(c.head == node.name for c in plan.chunked):
+        # the pieces of the head's input (copies) or their gradients, held until all
+        # pieces have run and the gathered input is freed or its gradient joined
+        transient += _numel(in_shapes[0]) * _itemsize(inputs[0])
     return forward, backward, parts, transient
+
+
+def _piece(shape: Sequence[int], chunks: int) -> tuple[int, ...]:
+    """`shape` of a tensor one of `chunks` pieces of a chunked loss holds: its first
+    dim that `chunks` divides, the last one (features, vocabulary) aside, cut."""
+    shape = tuple(shape)
+    for d in range(max(len(shape) - 1, 1)):
+        if chunks > 1 and d < len(shape) and shape[d] % chunks == 0:
+            return (*shape[:d], shape[d] // chunks, *shape[d + 1 :])
+    return shape
 
 
 def node_costs(

@@ -27,6 +27,9 @@ class PlanOptions:
     strategy_space: str = "3d"  # what the solver chooses from ("3d" or "all")
     optimizer: float = OPTIMIZERS["adam"]  # optimizer-state bytes per parameter byte
     overlap: bool = True  # gradient-bucket reductions overlap backward (`Plan.overlap`)
+    # pieces the loss runs in over the tokens (`autoshard.planning.chunking`): None, the
+    # solver chooses; 1, never in pieces; k, in k pieces where the model allows it
+    loss_chunks: int | None = None
 
     @classmethod
     def from_user(
@@ -38,6 +41,7 @@ class PlanOptions:
         strategy_space: str = "3d",
         optimizer: str | float = "adam",
         overlap: bool = True,
+        loss_chunks: int | None = None,
     ) -> PlanOptions:
         """The keywords of `autoshard.plan` as given (a budget like ``"80GiB"``, a
         hardware preset name or profile path, an optimizer name), resolved."""
@@ -50,6 +54,7 @@ class PlanOptions:
             strategy_space=strategy_space,
             optimizer=_optimizer(optimizer),
             overlap=_overlap(overlap),
+            loss_chunks=_loss_chunks(loss_chunks),
         )
 
 
@@ -67,3 +72,13 @@ def _overlap(overlap: bool) -> bool:
     if not isinstance(overlap, bool):
         raise StrategyError(f"overlap={overlap!r}: give True (the default) or False")
     return overlap
+
+
+def _loss_chunks(chunks: int | None) -> int | None:
+    whole = isinstance(chunks, int) and not isinstance(chunks, bool)
+    if chunks is not None and (not whole or chunks < 1):
+        raise StrategyError(
+            f"loss_chunks={chunks!r}: give a positive number of pieces (1: never chunk the "
+            "loss), or None to let the solver choose"
+        )
+    return chunks

@@ -5,6 +5,7 @@ The planner writes a `Plan`; the passes read it and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -98,6 +99,27 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class ChunkedLoss:
+    """The loss `loss` and the product `head` that makes its logits (through `between`,
+    views and casts) run over the tokens in `chunks` pieces, one after the other: only a
+    piece of the logits-sized buffers (the head's local product before its output
+    collectives, the loss's gradient) lives at a time. The tokens are cut along dim
+    `dim` of the head's output. Each piece runs the head's output collectives and the
+    loss's reductions over the vocabulary on its own share of the bytes (`chunks` calls
+    where one would do); the gathered operands and the reduction over tokens run once."""
+
+    head: str
+    between: tuple[str, ...]
+    loss: str
+    chunks: int
+    dim: int
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return (self.head, *self.between, self.loss)
+
+
+@dataclass(frozen=True)
 class Call:
     """One collective a step runs (`Plan.predicted_calls`)."""
 
@@ -136,6 +158,22 @@ class Plan:
     # backward launches the buckets' reductions and waits at its end: they run while
     # the ops above the first parameter a bucket serves compute their gradients
     overlap: bool = True
+    chunked: tuple[ChunkedLoss, ...] = ()  # losses run over their tokens in pieces
+
+    def chunks(self, name: str) -> int:
+        """In how many pieces node `name` runs (1 unless a `ChunkedLoss` cuts it)."""
+        return next((c.chunks for c in self.chunked if name in c.nodes), 1)
+
+    def _per_chunk(self, node: NodePlan) -> list[Step]:
+        """`node`'s steps that each piece of a `ChunkedLoss` runs: a head's output
+        collectives, a loss's reductions over the vocabulary."""
+        for c in self.chunked:
+            if node.name == c.head:
+                return list(node.output_steps)
+            if node.name == c.loss:
+                vocab = node.strategy.inputs[0].dims[-1]
+                return [s for s in node.strategy.internal if s.axis in vocab]
+        return []
 
     @cached_property
     def conversions(self) -> dict[tuple[str, int], str]:
@@ -163,7 +201,17 @@ class Plan:
             if (node.name, i) not in self._skipped:
                 out += [(s, grad and (node.name, i, s.axis) not in self._bucketed) for s in steps]
         own = list(node.strategy.internal) + list(node.output_steps)
-        return out + [(step, node.needs_grad) for step in own]
+        out += [(step, node.needs_grad) for step in own]
+        per_chunk, k = self._per_chunk(node), self.chunks(node.name)
+        if not per_chunk:
+            return out
+        pieces = []  # each step of a piece: k calls of 1/k of the bytes
+        for step, grad in out:
+            if any(step is s for s in per_chunk):
+                pieces += [(dataclasses.replace(step, nbytes=step.nbytes // k), grad)] * k
+            else:
+                pieces.append((step, grad))
+        return pieces
 
     def bucketed_steps(self, node: NodePlan) -> list[tuple[int, Step]]:
         """`node`'s steps whose backward a bucket runs, with the input each serves."""
@@ -244,7 +292,8 @@ class Plan:
 # JSON (no pickle): plans are saved, read by people, and applied without solving again.
 # Reading checks every field and names the one at fault (``plan.nodes[3].strategy.stored``).
 
-SCHEMA_VERSION = 3  # 2: the graph fingerprint; 3: shared conversions and gradient buckets
+SCHEMA_VERSION = 4  # 2: the graph fingerprint; 3: shared conversions and gradient buckets;
+# 4: chunked losses
 
 
 def _layout_dict(layout: Layout | None):
@@ -303,6 +352,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "shared": [asdict(x) for x in plan.shared],
         "buckets": [asdict(b) for b in plan.buckets],
         "overlap": plan.overlap,
+        "chunked": [asdict(c) for c in plan.chunked],
     }
 
 
@@ -378,6 +428,10 @@ def plan_from_dict(d) -> Plan:
         shared=tuple(r.shared(x, f"plan.shared[{i}]", nodes) for i, x in enumerate(shared)),
         buckets=tuple(r.bucket(x, f"plan.buckets[{i}]", nodes) for i, x in enumerate(buckets)),
         overlap=r.check(d.get("overlap", True), "plan.overlap", bool),
+        chunked=tuple(
+            r.chunked(x, f"plan.chunked[{i}]", nodes)
+            for i, x in enumerate(r.field(d, "chunked", "plan", list))
+        ),
     )
 
 
@@ -530,6 +584,17 @@ class _Reader:
             self.field(data, "nbytes", path, int),
             serves,
         )
+
+    def chunked(self, data, path: str, nodes: dict) -> ChunkedLoss:
+        names = [self.field(data, key, path, str) for key in ("head", "loss")]
+        between = self.items(self.field(data, "between", path, list), f"{path}.between", str)
+        for name in [*names, *between]:
+            if name not in nodes:
+                raise PlanError(f"{path}: the plan has no node {name!r}")
+        chunks, dim = self.field(data, "chunks", path, int), self.field(data, "dim", path, int)
+        if chunks < 1 or not 0 <= dim < len(nodes[names[0]].shape) - 1:
+            raise PlanError(f"{path}: {chunks} chunks along dim {dim} of {names[0]!r}")
+        return ChunkedLoss(names[0], tuple(between), names[1], chunks, dim)
 
     def steps(self, data, path: str) -> list[Step]:
         return [self.step(x, f"{path}[{i}]") for i, x in enumerate(self.check(data, path, list))]

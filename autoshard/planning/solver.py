@@ -65,10 +65,11 @@ from autoshard.cost.model import NodeCost, bucket_latency, node_cost, node_costs
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
+from autoshard.planning.chunking import CHUNKS, chunkings
 from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
-from autoshard.planning.plan import NodePlan, Plan, bucket_calls
+from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
 from autoshard.strategies import NAMED
@@ -100,10 +101,11 @@ class Option:
     checkpoint: bool
     knobs: frozenset[Knob] = frozenset()
     order: tuple[str, ...] = ()  # the mesh axes as the family's plan prefers them; () as given
+    chunks: int = 1  # pieces its loss runs in over the tokens (`ChunkedLoss`)
 
     @property
     def base(self) -> Option:
-        return Option(self.family, self.checkpoint, order=self.order)
+        return Option(self.family, self.checkpoint, order=self.order, chunks=self.chunks)
 
     @property
     def variant(self) -> tuple[str, tuple[str, ...]]:
@@ -114,7 +116,8 @@ class Option:
         kinds = sorted({k.kind for k in self.knobs})
         counted = [f"{kind} ×{sum(k.kind == kind for k in self.knobs)}" for kind in kinds]
         family = self.family + (f" ({','.join(self.order)})" if self.order else "")
-        return " + ".join([family] + ["recompute"] * self.checkpoint + counted)
+        chunked = [f"loss in {self.chunks} chunks"] * (self.chunks > 1)
+        return " + ".join([family] + ["recompute"] * self.checkpoint + chunked + counted)
 
 
 Variant = tuple[str, tuple[str, ...]]
@@ -204,6 +207,8 @@ class Problem:
     )
     # seconds of latency of one gradient-bucket call, per (axis, dtype)
     bucket_latency: dict[tuple[str, str], float] = field(default_factory=dict)
+    # the loss an option with chunks runs in pieces, by (unit, variant, chunks)
+    chunked: dict[tuple[str, Variant, int], ChunkedLoss] = field(default_factory=dict)
 
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
@@ -212,9 +217,7 @@ class Problem:
             knobs = list(self.knobs[unit, option])
             for n in range(len(knobs) + 1):
                 for chosen in itertools.combinations(knobs, n):
-                    out.append(
-                        Option(option.family, option.checkpoint, frozenset(chosen), option.order)
-                    )
+                    out.append(dataclasses.replace(option, knobs=frozenset(chosen)))
         return out
 
     def evaluate(self, choice: dict[str, Option]) -> tuple[float, float]:
@@ -263,6 +266,7 @@ def build_problem(
     families: tuple[str, ...],
     optimizer: float,
     fallback: bool = True,
+    loss_chunks: int | None = None,
 ) -> Problem:
     """The integer program of the module docstring, for `families` in every order of
     the axes that costs differently (`orientations`); "replicated" and the named
@@ -270,7 +274,9 @@ def build_problem(
     tensor-parallel axis is the one the user's mesh puts last. With `fallback`, a node
     that no layout of a family divides is planned in that family's plan by the next
     family that fits (`plan_graph`), so the family stays an option for every other
-    unit."""
+    unit. The unit after the blocks also takes, per variant, each way of running its
+    loss over the tokens in pieces (`autoshard.planning.chunking`): only in
+    `loss_chunks` pieces where that is given (1: never in pieces)."""
     orders = orientations(mesh, hardware)
     plans = {
         (family, order): plan_graph(traced, mesh, family, order=order or None, fallback=fallback)
@@ -291,36 +297,56 @@ def build_problem(
     # that value's bytes above the plan's estimate.
     block_parts = [name for name, u in unit.items() if u not in (PROLOGUE, EPILOGUE)]
     resident = {
-        v: kept_resident(traced, plan, unit, all_costs[v], block_parts)
-        for v, plan in plans.items()
+        v: kept_resident(traced, plan, unit, all_costs[v], block_parts) for v, plan in plans.items()
     }
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
     signatures = _Signatures(traced, plans, members)
     for (family, order), plan in plans.items():
-        costs = all_costs[family, order]
         users = first_users(traced, plan)
+        counts = CHUNKS if loss_chunks is None else (loss_chunks,) * (loss_chunks > 1)
+        pieces: list[ChunkedLoss | None] = [
+            c for c in chunkings(traced, plan, counts) if {unit[n] for n in c.nodes} == {EPILOGUE}
+        ]
+        if loss_chunks in (None, 1) or not pieces:  # unchunked, where it must be
+            pieces.insert(0, None)
         for u in units:
-            key = (family, order, signatures[(family, order), u])
-            if key not in known:  # identical blocks cost the same: cost them once
-                known[key] = _unit_cost(
-                    traced,
-                    plan,
-                    members[u],
-                    costs,
-                    users,
-                    hardware,
-                    optimizer,
-                    u == units[-1],
-                    resident[family, order],
-                    unit,
+            for chunked in pieces if u == EPILOGUE else [None]:
+                chunked_plan, costs = _chunked(
+                    traced, plan, all_costs[family, order], chunked, hardware
                 )
-            _add_options(problem, u, members[u], family, order, known[key])
+                key = (family, order, signatures[(family, order), u], chunked)
+                if key not in known:  # identical blocks cost the same: cost them once
+                    known[key] = _unit_cost(
+                        traced,
+                        chunked_plan,
+                        members[u],
+                        costs,
+                        users,
+                        hardware,
+                        optimizer,
+                        u == units[-1],
+                        resident[family, order],
+                        unit,
+                    )
+                _add_options(problem, u, members[u], family, order, known[key], chunked)
     _add_crossings(problem, traced, members, hardware, optimizer, all_costs, signatures)
     for effect in _all_effects(problem):
         for axis, dtype in dict(effect.buckets):
             problem.bucket_latency[axis, dtype] = bucket_latency(axis, mesh, hardware)
     return problem
+
+
+def _chunked(
+    traced: Traced, plan: Plan, costs: dict[str, NodeCost], chunked: ChunkedLoss | None, hardware
+) -> tuple[Plan, dict[str, NodeCost]]:
+    """`plan` and its node `costs` with `chunked`'s loss run in pieces (as they are for
+    None): only the nodes it cuts cost otherwise."""
+    if chunked is None:
+        return plan, costs
+    plan = dataclasses.replace(plan, chunked=(chunked,))
+    again = {n: node_cost(traced.nodes[n], plan.nodes[n], plan, hardware) for n in chunked.nodes}
+    return plan, {**costs, **again}
 
 
 def _all_effects(problem: Problem):
@@ -422,12 +448,24 @@ def _sharing(plan: Plan, names) -> list[frozenset[str]]:
     return [frozenset(r) for _, r in sorted(readers.items())]
 
 
-def _add_options(problem: Problem, u: str, names, family: str, order, cost: _UnitCost) -> None:
+def _add_options(
+    problem: Problem,
+    u: str,
+    names,
+    family: str,
+    order,
+    cost: _UnitCost,
+    chunked: ChunkedLoss | None = None,
+) -> None:
     """Unit `u`'s options in `family` and `order`, with or without recomputation (block
-    parts only), and the knobs worth having under each."""
+    parts only), its loss run in pieces as `chunked` says, and the knobs worth having
+    under each."""
     block = u not in (PROLOGUE, EPILOGUE)
+    chunks = chunked.chunks if chunked is not None else 1
+    if chunked is not None:
+        problem.chunked[u, (family, order), chunks] = chunked
     for checkpoint in (False, True) if block else (False,):
-        option = Option(family, checkpoint, order=order)
+        option = Option(family, checkpoint, order=order, chunks=chunks)
         problem.options.setdefault(u, []).append(option)
         total = cost.total
         kept, high = own_memory(total, checkpoint)
@@ -445,6 +483,8 @@ def _add_options(problem: Problem, u: str, names, family: str, order, cost: _Uni
         for knob_cost in cost.knobs:
             if knob_cost.kind == REGATHER and checkpoint:
                 continue  # a replayed region keeps nothing of its own anyway
+            if knob_cost.kind == REGATHER and chunks > 1:
+                continue  # a head run in pieces keeps its pieces of the gathered input
             kind = knob_cost.kind
             if kind == "weight":
                 kind = WHOLE_WEIGHT if default_split(family) else SPLIT_WEIGHT
@@ -564,12 +604,20 @@ def _add_crossings(
     for u in problem.units:
         for g_option in problem.options[u]:
             g = g_option.variant
-            own_plan = problem.plans[g]
             for v, wires in wiring[u].items():
+                # a loss in pieces changes the crossing only where its nodes read from v
+                chunked = problem.chunked.get((u, g, g_option.chunks))
+                if chunked is not None and not any(
+                    members[u][position] in chunked.nodes for position, *_ in wires
+                ):
+                    chunked = None
+                own_plan, own_costs = _chunked(
+                    traced, problem.plans[g], costs[g], chunked, hardware
+                )
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    key = (f, g, signatures[g, u], wires, signatures[f, v])
+                    key = (f, g, signatures[g, u], wires, signatures[f, v], chunked)
                     if key not in known:
                         known[key] = _crossed(
                             traced,
@@ -580,7 +628,7 @@ def _add_crossings(
                             v,
                             v == first_unit,
                             users,
-                            costs[g],
+                            own_costs,
                             hardware,
                             optimizer,
                             problem.resident[g],
@@ -771,7 +819,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     for u in problem.units:
         option = next(o for o in problem.options[u] if result.x[columns["x", u, o]] > 0.5)
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
-        chosen[u] = Option(option.family, option.checkpoint, frozenset(knobs), option.order)
+        chosen[u] = dataclasses.replace(option, knobs=frozenset(knobs))
     return chosen, program.priced(result.x)  # seconds, as the program priced them
 
 
@@ -998,6 +1046,8 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
         plan = plan_graph(traced, mesh, strategy)
         plan = share_collectives(traced, plan, units_of(traced, plan))
         plan.overlap = options.overlap
+        if options.loss_chunks not in (None, 1):
+            plan.chunked = (_forced_chunks(traced, plan, options.loss_chunks),)
     else:
         check_strategy(strategy)
         space = (strategy,) if strategy else SPACES[options.strategy_space]
@@ -1006,8 +1056,16 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
         # A family the user forced must fit every node; the solver's own choice falls
         # back node by node to the next family that fits.
         problem = build_problem(
-            traced, mesh, hardware, space, options.optimizer, fallback=not strategy
+            traced,
+            mesh,
+            hardware,
+            space,
+            options.optimizer,
+            fallback=not strategy,
+            loss_chunks=options.loss_chunks,
         )
+        if options.loss_chunks not in (None, 1) and not problem.chunked:
+            _forced_chunks(traced, problem.plans[space[0], ()], options.loss_chunks)  # raises
         choice = solve(problem, memory_budget)
         plan = plan_choice(
             traced, mesh, problem, choice, hardware, options.optimizer, options.overlap
@@ -1016,6 +1074,25 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
         return plan
     plan.cost = estimate(traced, plan, hardware, options.optimizer)
     return plan
+
+
+def _forced_chunks(traced: Traced, plan: Plan, chunks: int) -> ChunkedLoss:
+    """The loss of `plan` run in `chunks` pieces; StrategyError saying why it cannot be."""
+    found = chunkings(traced, plan, (chunks,))
+    if not found:
+        counts = [k for k in range(2, chunks) if chunkings(traced, plan, (k,))]
+        raise StrategyError(
+            f"loss_chunks={chunks}: "
+            + (
+                f"the loss's tokens do not divide into {chunks} pieces here (they do into "
+                f"{', '.join(map(str, counts))})"
+                if counts
+                else "no loss here runs in pieces (a vocabulary-parallel cross-entropy of "
+                "the logits of a linear without bias, through views only)"
+            )
+            + ", or loss_chunks=None to let the solver choose"
+        )
+    return found[0]
 
 
 def plan_choice(
@@ -1045,6 +1122,11 @@ def plan_choice(
     first = problem.plans[choice[problem.units[0]].variant]  # inputs split as it splits them
     inputs = {name: first.storage[name] for name in first.entry_steps}
     plan = plan_graph(traced, mesh, fixed=fixed, inputs=inputs, knobs=knobs)
+    plan.chunked = tuple(
+        problem.chunked[u, option.variant, option.chunks]
+        for u, option in choice.items()
+        if option.chunks > 1
+    )
     plan.regions = {
         name: u for name, u in problem.unit.items() if choice[u].checkpoint and name in plan.nodes
     }

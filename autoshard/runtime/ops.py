@@ -248,3 +248,69 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         scale = grad / count if count is not None else grad
         out = probs.scatter_add(-1, index, -held.unsqueeze(-1).to(probs.dtype))
         return out.mul_((valid.to(probs.dtype) * scale).unsqueeze(-1)), *([None] * 8)
+
+
+@comm.on_mesh
+def chunked_cross_entropy(
+    x,
+    weight,
+    target,
+    *,
+    chunks: int,
+    dim: int,
+    steps: tuple,
+    head: str,
+    dtype: torch.dtype,
+    vocab_size: int,
+    vocab_axes: tuple[str, ...],
+    token_axes: tuple[str, ...],
+    node: str,
+    ignore_index: int = -100,
+    reduction: int = 1,
+    mesh: comm.BoundMesh,
+):
+    """`cross_entropy` of the logits ``linear(x, weight)`` after its output collectives
+    `steps` (`comm.run_steps`, for the linear `head`), computed over the tokens in
+    `chunks` pieces one after the other, so that only one piece of the logits-sized
+    buffers lives at a time, in forward and in backward (autograd runs the pieces'
+    backwards one after another, the last first). The pieces cut `x`'s dim `dim`: the
+    same rows of each block its reduce-scatters over that dim scatter, so that the
+    collectives leave each rank, piece by piece, the rows it holds unchunked; the
+    target is cut alike. The sum over tokens is reduced once, over `token_axes`."""
+    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
+    vocab_groups = tuple([mesh.axes[a] for a in vocab_axes])
+    scattered = [kw["axis"] for kind, kw in steps if kind == "reduce_scatter" and kw["dim"] == dim]
+    blocks = math.prod([mesh.axes[axis].size for axis in scattered])
+    shape = x.shape
+    pieces = x.reshape(*shape[:dim], blocks, chunks, -1, *shape[dim + 1 :])
+    targets = None
+    total = None
+    for c in range(chunks):
+        piece = pieces.select(dim + 1, c).reshape(*shape[:dim], -1, *shape[dim + 1 :])
+        logits = comm.run_steps(torch.ops.aten.linear.default(piece, weight), steps, head, mesh)
+        if targets is None:  # the target as the logits' rows, all pieces side by side
+            rows = list(logits.shape[:-1])
+            rows[dim] *= chunks
+            targets = target.reshape(rows).chunk(chunks, dim)
+        loss = _VocabParallelCrossEntropy.apply(
+            logits.reshape(-1, logits.shape[-1]).to(dtype),
+            targets[c].reshape(-1),
+            start,
+            length,
+            vocab_groups,
+            (),
+            node,
+            ignore_index,
+            2,
+        )
+        total = loss if total is None else total + loss
+    if reduction == 2:
+        for axis in token_axes:
+            total = comm.all_reduce(total, axis=axis, backward="identity", node=node, mesh=mesh)
+        return total
+    count = (target != ignore_index).sum().to(total.dtype)
+    pair = torch.stack([total, count])  # the mean's divisor travels with the sum
+    for axis in token_axes:
+        pair = comm.all_reduce(pair, axis=axis, backward="identity", node=node, mesh=mesh)
+    total, count = pair.unbind(0)
+    return total / count.detach()

@@ -1,0 +1,115 @@
+"""A loss run over its tokens in pieces (`autoshard.planning.chunking`): the program
+equals the serial model's, logs the calls its plan predicts, and holds less at its peak,
+as the cost model says; the solver takes it where the budget needs it."""
+
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import node_costs
+from autoshard.errors import StrategyError
+from autoshard.mesh import Mesh
+from autoshard.planning.estimate import first_users, totals
+from autoshard.planning.solver import SPACES, build_problem, smallest_peak, solve
+from autoshard.planning.units import EPILOGUE
+from autoshard.runtime.ranks import shared_pool
+from autoshard.testing import assert_equivalent, load_factory, measure_memory
+from autoshard.tracing.trace import trace
+
+ROOT = Path(__file__).parents[1]
+GPT = f"{ROOT}/examples/gpt.py:gpt"
+MESH = (2, 2, 2)
+
+
+def wide_gpt():
+    """A GPT whose logits dominate its activations: vocabulary 512, 8 × 32 tokens."""
+    return load_factory(GPT)(batch=8, seq=32, vocab=512, d_model=32, n_layer=1)
+
+
+def llama_ignoring_padding():
+    """Hugging Face LLaMA (tiny) whose labels mark the padding with ignore_index -100."""
+    model, (ids, labels) = load_factory(f"{ROOT}/tests/hf_zoo.py:llama")(seq=16)
+    labels[labels == model.model.config.pad_token_id] = -100
+    return model, (ids, labels)
+
+
+@pytest.mark.parametrize(
+    "factory,chunks",
+    [(GPT, 4), (f"{__file__}:llama_ignoring_padding", 2), (f"{__file__}:wide_gpt", 8)],
+)
+def test_a_loss_in_pieces_matches_serial(factory, chunks):
+    model, inputs = load_factory(factory)()
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=chunks)
+    assert [c.chunks for c in plan.chunked] == [chunks]
+    assert autoshard.Plan.from_json(plan.to_json()).chunked == plan.chunked
+    assert_equivalent(factory, MESH, plan=plan)
+
+
+def _logged_and_measured(mesh, compiled: dict) -> dict:
+    """Per program: the calls it logged, and `measure_memory` of one step."""
+    out = {}
+    for name, program in compiled.items():
+        torch.manual_seed(0)  # as the test process built it
+        model, inputs = wide_gpt()
+        parallel = autoshard.parallelize(model, mesh, inputs, compiled=program)
+        with autoshard.comm_log() as log:
+            measured = measure_memory(lambda p=parallel, x=inputs: p(*x).backward())
+        calls = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
+        out[name] = (calls, measured)
+    return out
+
+
+def test_the_pieces_log_the_predicted_calls_and_hold_less_as_predicted(capsys):
+    torch.manual_seed(0)
+    model, inputs = wide_gpt()
+    compiled = {
+        k: autoshard.compile(model, MESH, inputs, strategy="3d", loss_chunks=k) for k in (1, 8)
+    }
+    per_rank = shared_pool(8).run(_logged_and_measured, MESH, compiled)
+    for k, program in compiled.items():
+        predicted = Counter(
+            (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in program.plan.predicted_calls()
+        )
+        for rank in per_rank:
+            assert rank[k][0] == predicted, k
+    predicted = {k: _activation_peak(c.plan) for k, c in compiled.items()}
+    measured = {k: per_rank[0][k][1].peak_bytes for k in compiled}
+    with capsys.disabled():
+        print(f"\nactivation peak, 1 and 8 pieces: measured {measured}, predicted {predicted}")
+    for k in compiled:
+        assert abs(predicted[k] / measured[k] - 1) <= 0.10, (k, measured, predicted)
+    drop = {"measured": measured[1] - measured[8], "predicted": predicted[1] - predicted[8]}
+    assert drop["measured"] > 0.2 * measured[1], drop
+    assert abs(drop["predicted"] / drop["measured"] - 1) <= 0.25, drop
+
+
+def _activation_peak(plan) -> int:
+    """The plan's predicted peak less its parameters, gradients and optimizer state."""
+    traced = trace(*wide_gpt())
+    costs = node_costs(traced, plan, Hardware.load("nvlink-8"))
+    whole = totals(traced, plan, costs, list(plan.nodes), 2.0, first_users(traced, plan))
+    return plan.cost.peak_memory - whole.params
+
+
+def test_the_solver_chunks_the_loss_where_the_budget_needs_it():
+    model, inputs = wide_gpt()
+    traced, mesh, hardware = trace(model, inputs), Mesh.from_shape(MESH), Hardware.load("nvlink-8")
+    solved = partial(build_problem, traced, mesh, hardware, SPACES["3d"], 2.0)
+    whole, free = solved(loss_chunks=1), solved()
+    assert smallest_peak(free) < 0.8 * smallest_peak(whole)
+    choice = solve(free, smallest_peak(whole) * 0.95)
+    assert choice[EPILOGUE].chunks > 1
+    assert solve(free, None)[EPILOGUE].chunks == 1  # unchunked where memory allows
+
+
+def test_a_loss_that_cannot_run_in_pieces_is_refused_by_name():
+    model, inputs = wide_gpt()
+    with pytest.raises(
+        StrategyError, match="loss_chunks=3: the loss's tokens do not divide into 3 pieces here"
+    ):
+        autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=3)
