@@ -403,6 +403,35 @@ def run_steps(x, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh
     return x
 
 
+# The op in `_OPS` each step function runs forward (its backward's is its `backward`)
+_STEP_FORWARD = {
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "split": "split",
+    "grad_all_reduce": "identity",
+    "to_partial": "mask",
+}
+
+
+def forward_steps(x, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh, phase=None):
+    """`run_steps` outside autograd, for an op's own autograd Function; logged in the
+    current phase unless `phase` is given."""
+    for kind, kwargs in steps:
+        axis = mesh.axes[kwargs["axis"]]
+        x = _OPS[_STEP_FORWARD[kind]](x, axis, kwargs.get("dim"), node, phase)
+    return x
+
+
+def backward_steps(grad, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh):
+    """The gradient of the input of `forward_steps(x, steps, …)` from its output's: each
+    step's backward op, the last step first, logged as "backward"."""
+    for _, kwargs in reversed(steps):
+        axis = mesh.axes[kwargs["axis"]]
+        grad = _OPS[kwargs["backward"]](grad, axis, kwargs.get("dim"), node, "backward")
+    return grad
+
+
 @torch.no_grad()
 def gather_full(
     local: torch.Tensor, dims: tuple[tuple[str, ...], ...], mesh: BoundMesh
