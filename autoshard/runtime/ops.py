@@ -140,15 +140,15 @@ class _KeepShard(torch.autograd.Function):
         shard = args[index]
         gathered = comm.forward_steps(shard, steps, node, mesh)
         ctx.op, ctx.index, ctx.steps, ctx.node, ctx.mesh = op, index, steps, node, mesh
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        ctx.constants = [None if isinstance(a, torch.Tensor) else a for a in args]
-        ctx.save_for_backward(*tensors)  # the shard, not the gathered operand
+        ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        ctx.constants = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])  # the shard
         return _aten(op)(*args[:index], gathered, *args[index + 1 :])
 
     @staticmethod
     def backward(ctx, grad):
         saved = iter(ctx.saved_tensors)
-        args = [next(saved) if c is None else c for c in ctx.constants]
+        args = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
         needs = ctx.needs_input_grad[5:]
         args[ctx.index] = comm.forward_steps(
             args[ctx.index], ctx.steps, ctx.node, ctx.mesh, "backward"
