@@ -480,12 +480,12 @@ def measure_memory(
       each distinct storage once (by data pointer) and whole (a saved view keeps
       its base's storage). Packs during a backward (recomputation, double
       backward) do not count. Only the innermost hooks see a pack, so hooks the
-      step installs (a non-reentrant ``torch.utils.checkpoint`` region,
-      ``autoshard.runtime.ops.keep_shard``) would hide their saves from ours: while the
-      step runs, their pack hooks are wrapped, and what counts is the tensors
-      they return, which is what autograd keeps. A checkpoint's pack returns a
-      holder with no tensor (the region's inputs count: the checkpoint saves
-      them before installing its hooks); keep_shard's returns the stored shard.
+      step installs (a non-reentrant ``torch.utils.checkpoint`` region) would
+      hide their saves from ours: while the step runs, their pack hooks are
+      wrapped, and what counts is the tensors they return, which is what
+      autograd keeps. A checkpoint's pack returns a holder with no tensor (the
+      region's inputs count: the checkpoint saves them before installing its
+      hooks).
       A packed storage is counted even if it is freed before backward (only if
       part of the autograd graph is dropped).
     - ``peak_bytes``: the most bytes alive at once, from the forward to the end

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 import autoshard
 from autoshard.cost.hardware import Hardware
@@ -14,6 +15,7 @@ from autoshard.cost.model import node_costs
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import first_users
 from autoshard.planning.planner import Knobs, default_split, plan_graph
+from autoshard.runtime.ops import keep_shard
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
 from autoshard.tracing.trace import trace
@@ -77,3 +79,35 @@ def test_knobs_change_what_is_stored_and_saved_as_the_cost_model_says():
         numel, itemsize = x.meta["val"].numel(), x.meta["val"].element_size()
         assert before[name].saved_bytes - after[name].saved_bytes >= numel * itemsize // 8
         assert sum(after[name].backward_comm.values()) > sum(before[name].backward_comm.values())
+
+
+PRODUCTS = [  # (op, its arguments, the input kept as a shard)
+    ("aten.linear.default", [(2, 3, 4), (5, 4)], 0),
+    ("aten.linear.default", [(2, 3, 4), (5, 4), (5,)], 0),
+    ("aten.addmm.default", [(5,), (3, 4), (4, 5)], 1),
+    ("aten.mm.default", [(3, 4), (4, 5)], 0),
+    ("aten.matmul.default", [(2, 3, 4), (4, 5)], 0),
+    ("aten.conv1d.default", [(2, 2, 8), (4, 2, 3)], 0),
+    ("aten.conv2d.default", [(2, 3, 8, 8), (4, 3, 3, 3), (4,), [2, 1], [1], [1, 1], 1], 0),
+    ("aten.conv2d.default", [(2, 4, 8, 8), (6, 2, 3, 3), None, [1], [0], [1], 2], 0),
+]
+
+
+@pytest.mark.parametrize("op, args, index", PRODUCTS)
+def test_a_kept_shard_gets_the_gradients_autograd_gives(op, args, index):
+    """keep_shard's own derivative of each product it takes equals the op's autograd
+    (no mesh: no steps gather the kept input)."""
+    torch.manual_seed(0)
+    tensors = [torch.randn(a) if isinstance(a, tuple) else a for a in args]
+    ours = [t.clone().requires_grad_() if isinstance(t, torch.Tensor) else t for t in tensors]
+    theirs = [t.clone().requires_grad_() if isinstance(t, torch.Tensor) else t for t in tensors]
+    out = keep_shard(op, *ours, index=index, steps=(), node="product", mesh=None)
+    _, name, overload = op.split(".")
+    want = getattr(getattr(torch.ops.aten, name), overload)(*theirs)
+    grad = torch.randn_like(want)
+    out.backward(grad)
+    want.backward(grad)
+    assert torch.allclose(out, want)
+    for got, expected in zip(ours, theirs):
+        if isinstance(got, torch.Tensor):
+            assert torch.allclose(got.grad, expected.grad, atol=1e-5), f"{op}: {got.shape}"

@@ -4,7 +4,8 @@ inductor buckets and overlaps), outputs and every gradient equal to eager. On 2 
 ranks (mesh 1×1×2, features split over c): the smallest job whose programs still run
 all-gathers (the layer norm's statistics among them), reduce-scatters, all-reduces
 and a gradient bucket; inductor compiles are slow on 2 cores, so it runs on the MLP
-only."""
+only. The MLP runs again with every layer's input kept as its stored shard and
+gathered again in backward (the regather knob: `autoshard.runtime.ops.keep_shard`)."""
 
 from pathlib import Path
 
@@ -12,14 +13,33 @@ import torch
 
 import autoshard
 from autoshard.errors import InputError
+from autoshard.mesh import Mesh
+from autoshard.planning.collectives import share_collectives
+from autoshard.planning.planner import Knobs, plan_graph
+from autoshard.planning.units import units_of
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import load_factory
+from autoshard.tracing.trace import trace
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
-CASES = [  # (factory, its sizes, backends)
-    (f"{EXAMPLES}/mlp.py:mlp", {"layers": 1, "dropout": 0.0}, ("aot_eager", "inductor")),
-    (f"{EXAMPLES}/gpt.py:gpt", {}, ("aot_eager",)),
+CASES = [  # (factory, its sizes, backends, inputs kept as shards)
+    (f"{EXAMPLES}/mlp.py:mlp", {"layers": 1, "dropout": 0.0}, ("aot_eager", "inductor"), False),
+    (f"{EXAMPLES}/gpt.py:gpt", {}, ("aot_eager",), False),
+    (f"{EXAMPLES}/mlp.py:mlp", {"layers": 1, "dropout": 0.0}, ("aot_eager",), True),
 ]
+
+
+def _parallel(model, inputs, device_mesh, regather: bool):
+    """The model under "3d"; with `regather`, every layer keeps its input's shard."""
+    if not regather:
+        return autoshard.parallelize(model, device_mesh, inputs, strategy="3d")
+    traced = trace(model, inputs)
+    mesh = Mesh.from_shape(tuple(device_mesh.shape))
+    base = plan_graph(traced, mesh, "3d")
+    layers = [n for n, p in base.nodes.items() if p.strategy.split_weight is not None]
+    plan = plan_graph(traced, mesh, "3d", knobs=dict.fromkeys(layers, Knobs(regather=True)))
+    plan = share_collectives(traced, plan, units_of(traced, plan))
+    return autoshard.parallelize(model, device_mesh, inputs, plan=plan)
 
 
 def _step(module, inputs, parallel):
@@ -59,15 +79,17 @@ def _compile_cases(device_mesh) -> list[tuple]:
     from torch._dynamo.utils import counters
 
     results = []
-    for spec, sizes, backends in CASES:
+    for spec, sizes, backends, regather in CASES:
         torch.manual_seed(0)
         model, inputs = load_factory(spec)(**sizes)
-        parallel = autoshard.parallelize(model, device_mesh, inputs, strategy="3d")
+        parallel = _parallel(model, inputs, device_mesh, regather)
         with autoshard.comm_log() as log:
             want, want_grads = _step(parallel, inputs, parallel)
         kinds = {r.kind for r in log.records} | {
             "bucket" for r in log.records if r.node.startswith("grad_bucket")
         }
+        if "ops_keep_shard(" in parallel.code:
+            kinds.add("keep_shard")
         for backend in backends:
             torch._dynamo.reset()
             counters.clear()
@@ -79,7 +101,7 @@ def _compile_cases(device_mesh) -> list[tuple]:
             differ += ["output"] if _differ(got, want) else []
             results.append(
                 (
-                    Path(spec).name,
+                    Path(spec).name + (" keeping shards" if regather else ""),
                     backend,
                     dict(counters["graph_break"]),
                     counters["stats"]["unique_graphs"],
@@ -98,7 +120,8 @@ def _compile_cases(device_mesh) -> list[tuple]:
 
 def test_torch_compile_takes_the_whole_program_and_equals_eager():
     for ranks in shared_pool(2).run(_compile_cases, (1, 1, 2)):
-        assert len(ranks) == 3
+        assert len(ranks) == 4
+        assert "keep_shard" in ranks[-1][5], "the knob kept no input as a shard"
         for model, backend, breaks, graphs, differ, kinds, collectives in ranks:
             case = f"{model} under {backend}"
             assert breaks == {}, f"{case}: graph breaks {breaks}"

@@ -5,7 +5,9 @@ The user names a family per module (``"3d"``, ``"3d-allreduce"``,
 patterns to those); each linear takes the candidate of its family that costs
 the least communication given how its input is stored (under ``"megatron"``,
 Megatron's own roles), and every other op follows its inputs. Parameters
-are stored the way their first consumer wants them; inputs arrive whole on
+are stored the way their first consumer wants them, and one that several nodes
+read (a tied table) in the nesting that moves the least over all of them
+(`_tied_stored_best`); inputs arrive whole on
 every rank and are split on entry the way the first 3D linear reads them.
 
     >>> from autoshard.tracing.trace import trace
@@ -22,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import itertools
 import math
 import operator
 import warnings
@@ -167,6 +170,63 @@ def plan_graph(
     """
     check_strategy(strategy)
     check_patterns(traced, strategy)
+    args = (traced, mesh, strategy, order, knobs, fixed, crossing, inputs, fallback)
+    plan = _planned(*args, stored_as={})
+    if fixed:  # every node's strategy is given, and with it where it wants each parameter
+        return plan
+    return _tied_stored_best(plan, traced, lambda stored_as: _planned(*args, stored_as=stored_as))
+
+
+def _tied_stored_best(plan: Plan, traced: Traced, replan) -> Plan:
+    """`plan`, or the plan with a parameter that several nodes read (a tied embedding
+    and lm-head) stored otherwise, where that moves fewer bytes (then fewer calls).
+
+    A parameter is stored as its first reader wants it, which cannot see what a later
+    reader will want: the GPT example's table is stored with its rows split over a then
+    b, which an lm-head whose output features are split over b reads only with its input
+    gathered over b and a and split over b again (two calls a step more). Its other
+    storages tried are the same shards nested in another order (each rank keeps as
+    much): `replan(stored_as)` plans the model with parameter FQN → layout given, which
+    every reader, the first included, converts from."""
+    best, best_traffic = plan, _traffic(plan)
+    for fqn, layouts in _tied_alternatives(traced, plan).items():
+        for layout in layouts:
+            with warnings.catch_warnings():  # the same nodes warn as in `plan`
+                warnings.simplefilter("ignore")
+                other = replan({fqn: layout})
+            traffic = _traffic(other)
+            if traffic < best_traffic:
+                best, best_traffic = other, traffic
+    return best
+
+
+def _traffic(plan: Plan) -> tuple[float, int]:
+    """Bytes a rank sends in a training step, then its collective calls."""
+    calls = plan.predicted_calls()
+    return sum(c.ring_bytes for c in calls), len(calls)
+
+
+def _tied_alternatives(traced: Traced, plan: Plan) -> dict[str, list[Layout]]:
+    """For each parameter that several planned nodes read, its stored layout's other
+    nestings: each dim split over the same axes in another order."""
+    out = {}
+    for node in traced.graph_module.graph.nodes:
+        if node.op != "get_attr" or sum(u.name in plan.nodes for u in node.users) < 2:
+            continue
+        stored = plan.storage.get(node.target)
+        if stored is None:
+            continue
+        nestings = itertools.product(*(itertools.permutations(axes) for axes in stored.dims))
+        layouts = [Layout(dims, stored.partial) for dims in nestings]
+        if len(layouts) > 1:
+            out[node.target] = [lay for lay in layouts if lay != stored]
+    return out
+
+
+def _planned(
+    traced, mesh, strategy, order, knobs, fixed, crossing, inputs, fallback, *, stored_as
+) -> Plan:
+    """`plan_graph`'s plan, with each parameter in `stored_as` (FQN → layout) stored so."""
     planning = mesh.relabeled(order) if order else mesh
     graph = traced.graph_module.graph
     default_family = (
@@ -202,6 +262,8 @@ def plan_graph(
         elif node.op == "get_attr":
             tensor = traced.parameters[node.target]
             needs_grad[node] = bool(tensor.requires_grad and tensor.is_floating_point())
+            if node.target in stored_as:
+                stored[node] = storage[node.target] = stored_as[node.target]
         elif node.op == "call_function" and node.target is operator.getitem:
             parent, index = node.args
             stored[node] = stored[parent][index]

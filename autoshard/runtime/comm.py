@@ -126,8 +126,11 @@ def comm_log():
 
 
 def _logging() -> bool:
-    # is_compiling first: a compiled program neither logs nor guards on the open logs
-    return not torch.compiler.is_compiling() and bool(_OPEN_LOGS)
+    # The open logs first: with none open (a training step) a call costs one truth test
+    # and no function call. A compiled program does not log: dynamo guards on the logs'
+    # being open (a log opened around a compiled call recompiles once) and traces no
+    # record.
+    return bool(_OPEN_LOGS) and not torch.compiler.is_compiling()
 
 
 _PHASE: contextvars.ContextVar[str] = contextvars.ContextVar("autoshard_phase", default="forward")
@@ -192,28 +195,24 @@ def _reduce_(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Te
     return x
 
 
+# A collective runs along dim 0 of a contiguous buffer: `dim` is moved there first
+# (no call for dim 0, the usual case), and the result moved back to `dim` in the
+# row-major layout the serial program's tensor has: a view with `dim` outermost would
+# have kernels that need a unit last stride (CPU flash attention) fall back to slower
+# ones that keep more for backward (the math attention's probabilities).
 def _all_gather(x, axis: AxisGroup, dim, node, phase):
-    out = _gathered(x.movedim(dim, 0).contiguous(), axis)
+    out = _gathered((x.movedim(dim, 0) if dim else x).contiguous(), axis)
     if _logging():
         _record("all_gather", axis, _nbytes(out), node, phase)
-    return _laid_out(out, dim)
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def _reduce_scatter(x, axis: AxisGroup, dim, node, phase):
-    moved = x.movedim(dim, 0).contiguous()
+    moved = (x.movedim(dim, 0) if dim else x).contiguous()
     out = _scattered(moved, axis)
     if _logging():
         _record("reduce_scatter", axis, _nbytes(moved), node, phase)
-    return _laid_out(out, dim)
-
-
-def _laid_out(out: torch.Tensor, dim: int) -> torch.Tensor:
-    """`out`, collected along its first dim, with that dim moved back to `dim`, in
-    the row-major layout the serial program's tensor has: a view with `dim`
-    outermost would have kernels that need a unit last stride (CPU flash
-    attention) fall back to slower ones that keep more for backward (the math
-    attention's probabilities)."""
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def _all_reduce(x, axis: AxisGroup, dim, node, phase):
@@ -224,7 +223,8 @@ def _all_reduce(x, axis: AxisGroup, dim, node, phase):
 
 
 def _split(x, axis: AxisGroup, dim, node, phase):
-    return x.chunk(axis.size, dim)[axis.coordinate].clone()
+    size = x.shape[dim] // axis.size  # one view, not one per rank as `chunk` makes
+    return x.narrow(dim, axis.coordinate * size, size).clone()
 
 
 def _identity(x, axis, dim, node, phase):
@@ -464,6 +464,35 @@ def run_steps(x, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh
     for kind, kwargs in steps:
         x = STEP_FUNCTIONS[kind](x, node=node, mesh=mesh, **kwargs)
     return x
+
+
+# The op in `_OPS` each step function runs forward (its backward's is its `backward`)
+_STEP_FORWARD = {
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "split": "split",
+    "grad_all_reduce": "identity",
+    "to_partial": "mask",
+}
+
+
+def forward_steps(x, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh, phase=None):
+    """`run_steps` outside autograd, for an op's own autograd Function; logged in the
+    current phase unless `phase` is given."""
+    for kind, kwargs in steps:
+        axis = mesh.axes[kwargs["axis"]]
+        x = _OPS[_STEP_FORWARD[kind]](x, axis, kwargs.get("dim"), node, phase)
+    return x
+
+
+def backward_steps(grad, steps: tuple[tuple[str, dict], ...], node: str, mesh: BoundMesh):
+    """The gradient of the input of `forward_steps(x, steps, …)` from its output's: each
+    step's backward op, the last step first, logged as "backward"."""
+    for _, kwargs in reversed(steps):
+        axis = mesh.axes[kwargs["axis"]]
+        grad = _OPS[kwargs["backward"]](grad, axis, kwargs.get("dim"), node, "backward")
+    return grad
 
 
 @torch.no_grad()

@@ -8,13 +8,8 @@ differentiable like any other.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
-
-# Storage identity that holds for meta and fake tensors too, whose data pointers are all
-# 0 (torch's own passes compare storages by it)
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoshard.layout import Layout
 from autoshard.runtime import comm
@@ -124,39 +119,110 @@ def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
 
 
 @comm.on_mesh
-@torch.compiler.disable  # runs eagerly: dynamo traces no saved-tensor hooks
 def keep_shard(op: str, *args, index: int, steps: tuple, node: str, mesh: comm.BoundMesh):
-    """`op(*args)` (an ATen op, by name) on `args[index]` gathered by `steps` (see
+    """`op(*args)` (an ATen product, by name) on `args[index]` gathered by `steps` (see
     `comm.run_steps`), where autograd keeps the stored shard instead of the gathered
     operand and backward gathers it again (its collectives log as "backward"): a layer
-    that saves 1/d³ of its input instead of 1/d², for one more all-gather."""
-    shard = args[index]
-    gathered = comm.run_steps(shard, steps, node, mesh)
-    storage = StorageWeakRef(gathered.untyped_storage())
+    that saves 1/d³ of its input instead of 1/d², for one more all-gather. An autograd
+    Function with the product's own derivative, so that torch.compile traces it (dynamo
+    traces no saved-tensor hooks)."""
+    if op not in _PRODUCT_GRADS:
+        raise NotImplementedError(
+            f"node '{node}': keeping the stored shard of an input of {op} is not supported "
+            f"(only of {', '.join(sorted(_PRODUCT_GRADS))}): leave its regather knob off"
+        )
+    return _KeepShard.apply(op, index, steps, node, mesh, *args)
 
-    def pack(t):
-        if StorageWeakRef(t.untyped_storage()) == storage:  # the operand, or a view of it
-            return _Shard(shard.detach(), t.size(), t.stride(), t.storage_offset())
-        return t
 
-    def unpack(packed):
-        if not isinstance(packed, _Shard):
-            return packed
-        with torch.no_grad(), comm.in_phase("backward"):
-            full = comm.run_steps(packed.shard, steps, node, mesh)
-        return full.as_strided(packed.size, packed.stride, packed.offset)
+class _KeepShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, index, steps, node, mesh, *args):
+        shard = args[index]
+        gathered = comm.forward_steps(shard, steps, node, mesh)
+        ctx.op, ctx.index, ctx.steps, ctx.node, ctx.mesh = op, index, steps, node, mesh
+        ctx.is_tensor = [isinstance(a, torch.Tensor) for a in args]
+        ctx.constants = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])  # the shard
+        return _aten(op)(*args[:index], gathered, *args[index + 1 :])
 
+    @staticmethod
+    def backward(ctx, grad):
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved) if t else c for t, c in zip(ctx.is_tensor, ctx.constants)]
+        needs = ctx.needs_input_grad[5:]
+        args[ctx.index] = comm.forward_steps(
+            args[ctx.index], ctx.steps, ctx.node, ctx.mesh, "backward"
+        )
+        grads = list(_PRODUCT_GRADS[ctx.op](grad, args, needs))
+        del args, grad  # the gathered operand is freed before the gradient goes back
+        if grads[ctx.index] is not None:  # back through the gather, as its pair would go
+            grads[ctx.index] = comm.backward_steps(grads[ctx.index], ctx.steps, ctx.node, ctx.mesh)
+        return None, None, None, None, None, *grads
+
+
+def _aten(op: str):
     namespace, name, overload = op.split(".")
-    aten_op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return aten_op(*args[:index], gathered, *args[index + 1 :])
+    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
 
-class _Shard(NamedTuple):
-    shard: torch.Tensor
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _linear_grads(g, args, needs):
+    x, w, *bias = args  # x [..., k], w [n, k], bias [n]
+    return (
+        g @ w if needs[0] else None,
+        _flat(g).T @ _flat(x) if needs[1] else None,
+        *([_flat(g).sum(0) if needs[2] else None] if bias else []),
+    )
+
+
+def _matmul_grads(g, args, needs):
+    x, w = args  # x [..., k] @ w [k, n]
+    return g @ w.T if needs[0] else None, _flat(x).T @ _flat(g) if needs[1] else None
+
+
+def _addmm_grads(g, args, needs):
+    bias, x, w = args  # bias + x @ w, beta and alpha 1 (the rule refuses others)
+    grad_bias = g.sum_to_size(bias.shape) if needs[0] else None
+    return grad_bias, *_matmul_grads(g, [x, w], needs[1:])
+
+
+def _conv_grads(g, args, needs):
+    defaults = [None, 1, 0, 1, 1]  # conv{1,2,3}d's bias, stride, padding, dilation, groups
+    x, w, bias, stride, padding, dilation, groups = [*args, *defaults[len(args) - 2 :]]
+    spatial = x.dim() - 2
+
+    def expanded(v) -> list[int]:  # an int, or a list of one, is every spatial dim's
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        return v * spatial if len(v) == 1 else v
+
+    grads = torch.ops.aten.convolution_backward.default(
+        g,
+        x,
+        w,
+        [w.shape[0]] if bias is not None else None,
+        expanded(stride),
+        expanded(padding),
+        expanded(dilation),
+        False,
+        [0] * spatial,
+        groups,
+        [needs[0], needs[1], bias is not None and needs[2]],
+    )
+    return (*grads[: len(args)], *[None] * (len(args) - 3))
+
+
+# The derivative of each product keep_shard takes, given the gradient of its output,
+# its arguments (the kept input gathered again) and which inputs need a gradient.
+_PRODUCT_GRADS = {
+    "aten.linear.default": _linear_grads,
+    "aten.matmul.default": _matmul_grads,
+    "aten.mm.default": _matmul_grads,
+    "aten.addmm.default": _addmm_grads,
+    **{f"aten.conv{d}d.default": _conv_grads for d in (1, 2, 3)},
+}
 
 
 def _chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:

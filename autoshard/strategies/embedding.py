@@ -86,18 +86,21 @@ def embedding(ctx: Context) -> list[Strategy]:
     for x, y, z in permutations(ctx.mesh.names):
         tokens = batch_dims(ids_shape, (x, y), ctx.mesh)
         stored = Layout(tuple(tokens) + ((z,),)).normalized(ctx.mesh)
-        table = Layout(((x, y), (z,))).normalized(ctx.mesh)
         out = Layout(((),) * len(ids_shape) + ((z,),), partial=(x, y)).normalized(ctx.mesh)
-        candidates.append(
-            make(
-                "vocab-parallel",
-                [table, rep_ids],
-                out,
-                stored,
-                lowering=VOCAB_EMBEDDING if table.dims[0] else None,
-                detail=f"vocabulary over {','.join(table.dims[0]) or '-'}",
+        # The pending sum is over x and y in any order, so the rows may be nested either
+        # way (the nesting a tied lm-head reads, `planner._tied_stored_best`).
+        for vocab in ((x, y), (y, x)):
+            table = Layout((vocab, (z,))).normalized(ctx.mesh)
+            candidates.append(
+                make(
+                    "vocab-parallel",
+                    [table, rep_ids],
+                    out,
+                    stored,
+                    lowering=VOCAB_EMBEDDING if table.dims[0] else None,
+                    detail=f"vocabulary over {','.join(table.dims[0]) or '-'}",
+                )
             )
-        )
         feature_table = Layout(((), (z,))).normalized(ctx.mesh)
         ids = Layout(tuple(tokens)).normalized(ctx.mesh)
         # The weight knob of a layer: the table kept whole over the token axes, or
