@@ -149,6 +149,23 @@ def regions():
     return Regions(), (torch.randn(8, 4, 16),)
 
 
+class SpectralNorm(nn.Module):
+    """A spectrally normalized linear: each forward's power iteration runs under
+    torch.no_grad() on the weight and writes its vectors into buffers (``out=``)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.utils.parametrizations.spectral_norm(nn.Linear(hidden, 32))
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def spectral_norm():
+    return SpectralNorm(), (torch.randn(8, 4, 16),)
+
+
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
