@@ -4,6 +4,7 @@ Loaded by path in the rank processes (`tests/op_models.py:conv2d`): module-level
 factories with no arguments returning ``(model, example_inputs)``.
 """
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -164,6 +165,24 @@ class SpectralNorm(nn.Module):
 
 def spectral_norm():
     return SpectralNorm(), (torch.randn(8, 4, 16),)
+
+
+class TensorInForward(nn.Module):
+    """A constant made in forward from a NumPy array on its input's device (BigBird's
+    random blocks): traced as a copy to the device, detached in place."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 32)
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        scale = torch.tensor(np.linspace(0.5, 1.5, 32), device=x.device, dtype=x.dtype)
+        return self.down(torch.relu(self.up(x)) * scale)
+
+
+def tensor_in_forward():
+    return TensorInForward(), (torch.randn(8, 4, 16),)
 
 
 class _StraightThrough(torch.autograd.Function):
