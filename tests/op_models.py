@@ -4,6 +4,7 @@ Loaded by path in the rank processes (`tests/op_models.py:conv2d`): module-level
 factories with no arguments returning ``(model, example_inputs)``.
 """
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -147,6 +148,41 @@ class Regions(nn.Module):
 
 def regions():
     return Regions(), (torch.randn(8, 4, 16),)
+
+
+class SpectralNorm(nn.Module):
+    """A spectrally normalized linear: each forward's power iteration runs under
+    torch.no_grad() on the weight and writes its vectors into buffers (``out=``)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.utils.parametrizations.spectral_norm(nn.Linear(hidden, 32))
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+def spectral_norm():
+    return SpectralNorm(), (torch.randn(8, 4, 16),)
+
+
+class TensorInForward(nn.Module):
+    """A constant made in forward from a NumPy array on its input's device (BigBird's
+    random blocks): traced as a copy to the device, detached in place."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 32)
+        self.down = nn.Linear(32, hidden)
+
+    def forward(self, x):
+        scale = torch.tensor(np.linspace(0.5, 1.5, 32), device=x.device, dtype=x.dtype)
+        return self.down(torch.relu(self.up(x)) * scale)
+
+
+def tensor_in_forward():
+    return TensorInForward(), (torch.randn(8, 4, 16),)
 
 
 class _StraightThrough(torch.autograd.Function):

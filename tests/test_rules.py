@@ -112,6 +112,16 @@ def test_no_grad_and_disabled_autocast_regions_are_inlined_and_match_serial():
     assert_equivalent(f"{OPS}:regions", (2, 2, 2), strategy="3d", steps=2)
 
 
+def test_a_no_grad_region_writing_into_buffers_from_a_weight_matches_serial():
+    # spectral norm: its power iteration's ``div(..., out=buffer)`` reads the weight
+    assert_equivalent(f"{OPS}:spectral_norm", (2, 2, 2), strategy="3d", steps=2)
+
+
+def test_a_tensor_made_in_forward_on_the_input_device_matches_serial():
+    # torch.tensor(data, device=...) traces as a copy and an in-place detach_ of it
+    assert_equivalent(f"{OPS}:tensor_in_forward", (2, 2, 2), strategy="3d", steps=2)
+
+
 def test_torch_cond_is_refused_and_so_is_a_custom_function_whose_backward_is_not_exact():
     model, inputs = load_factory(f"{OPS}:cond_branch")()
     with pytest.raises(TraceError, match="node 'cond'.*torch.where"):

@@ -12,6 +12,11 @@ Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
 `autoshard.tracing.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
 
+A tensor made in forward, ``torch.tensor(data, device=x.device)`` (BigBird's random
+blocks), traces as a copy detached in place (``aten.detach_``), which the in-place rules
+would refuse as an update of a view: an in-place detach changes no value, only what
+autograd records, so it is ``aten.detach``, read by everything after it.
+
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
 """
@@ -44,6 +49,16 @@ def canonicalize(graph: fx.Graph) -> None:
     fold_transposed_weights(graph)
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
+    detach_out_of_place(graph)
+
+
+def detach_out_of_place(graph: fx.Graph) -> None:
+    """``detach_(x)`` → ``detach(x)``, which every reader of `x` after it reads, in place."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in graph.find_nodes(op="call_function", target=aten.detach_.default):
+        node.target = aten.detach.default
+        after = order[node]
+        node.args[0].replace_all_uses_with(node, lambda user, after=after: order[user] > after)
 
 
 def fold_transposed_experts(graph: fx.Graph) -> None:

@@ -9,8 +9,11 @@ as a call of a submodule:
     add = torch.ops.higher_order.wrap_with_set_grad_enabled(False, submod_3, linear)
     getitem = add[0]
 
-Its ops are copied in place of the call, and what leaves a no-grad region is
-detached, which is exactly what the region meant. Any other region (``torch.cond``,
+Its ops are copied in place of the call, and what enters a no-grad region is
+detached, which is exactly what the region meant: nothing inside records a gradient,
+so an op writing into a buffer there (spectral norm's power iteration,
+``torch.mv(..., out=self._u)`` on the weight) runs as it did, and what leaves carries
+no gradient. Any other region (``torch.cond``,
 an enabled autocast) is refused with a `TraceError` naming the node: its meaning is
 not a flat graph of the ops autoshard has rules for. A custom `torch.autograd.Function`
 in forward is exported as its forward ops only: `check_custom_functions` refuses one
@@ -48,9 +51,9 @@ def inline_regions(gm: fx.GraphModule) -> None:
         body, operands, detached = _body(node, gm)
         inline_regions(body)
         with graph.inserting_before(node):
+            if detached:  # no op of the region records a gradient, in-place ones included
+                operands = [_detach(graph, operand) for operand in operands]
             outputs = _copied(graph, body, operands)
-            if detached:
-                outputs = [_detach(graph, out) for out in outputs]
         for user in list(node.users):
             if user.target is not operator.getitem:
                 raise TraceError(f"node '{user.name}' reads region '{node.name}' whole")
