@@ -153,7 +153,9 @@ def _measured(mesh, programs: dict) -> dict:
     for (model_name, name), compiled in programs.items():
         model, inputs = _build(model_name)
         parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
-        out[model_name, name] = measure_memory(partial(_training_step, parallel, inputs))
+        step = partial(_training_step, parallel, inputs)
+        # buffers count with the parameters, as the cost model counts them
+        out[model_name, name] = measure_memory(step, exclude=list(parallel.buffers()))
     return out
 
 
@@ -195,14 +197,11 @@ PEAK_BOUND = 0.10
 # Cases the memory model does not predict yet, and how far off it is (see README).
 GAPS = {
     ("gpt", "replicated, blocks recomputed"): "peak +26%: a replay frees as it goes",
-    ("llama", "3d, blocks recomputed"): "saved +17%",
-    ("llama", "tight budget"): "saved +2%",
-    ("gpt2", "tight budget"): "saved +2%",
-    ("bert_mlm", "tight budget"): "saved +3%",
+    ("llama", "3d, blocks recomputed"): "saved +17%: two parts keep one residual stream",
     ("t5", "3d"): "peak +12%: math attention's s² transients",
     ("t5", "3d, blocks recomputed"): "peak +14%",
     ("t5", "3d, knobs turned"): "saved +4%",
-    ("t5", "tight budget"): "saved +1%, peak +22%",
+    ("t5", "tight budget"): "peak +22%",
 }
 
 

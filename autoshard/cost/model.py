@@ -530,13 +530,14 @@ def node_cost(
     (`Strategy.regather`) counts at that size, and backward pays its gathers
     once more. `alike`: a cache the calls of one `node_costs` share."""
     inputs = tensor_inputs(node)
+    held = _held(node_plan, plan, inputs)
     if alike is None:
-        known = _node_cost(node, node_plan, plan, hardware, mask_itemsize)
+        known = _node_cost(node, node_plan, plan, hardware, mask_itemsize, held)
     else:
-        key = _alike_key(node, node_plan, plan, inputs)
+        key = (*_alike_key(node, node_plan, plan, inputs), held)
         known = alike.get(key)
         if known is None:
-            known = alike[key] = _node_cost(node, node_plan, plan, hardware, mask_itemsize)
+            known = alike[key] = _node_cost(node, node_plan, plan, hardware, mask_itemsize, held)
     forward, backward, parts, transient = known
     parts = dict(parts)
     strategy = node_plan.strategy
@@ -592,9 +593,21 @@ def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:
     )
 
 
-def _node_cost(node, node_plan, plan, hardware, mask_itemsize) -> tuple:
+def _held(node_plan: NodePlan, plan: Plan, inputs: list[fx.Node]) -> tuple[bool, ...]:
+    """Which inputs a node reads as the parameter itself, which `parameter_bytes`
+    counts: one it reads as stored, or through a gradient bucket, whose forward
+    hands each parameter back as a view of it (`autoshard.runtime.comm.grad_bucket`).
+    Any other step makes a new tensor, which counts as saved where the node keeps it."""
+    bucketed = {i for i, _ in plan.bucketed_steps(node_plan)}
+    return tuple(
+        inp.op == "get_attr" and (not node_plan.input_steps[i] or i in bucketed)
+        for i, inp in enumerate(inputs)
+    )
+
+
+def _node_cost(node, node_plan, plan, hardware, mask_itemsize, held) -> tuple:
     """`node_cost`'s name-free part: compute seconds, the saved parts (`_saved_parts`)
-    and the transient bytes."""
+    and the transient bytes (`held`: from `_held`)."""
     mesh = plan.mesh
     inputs = tensor_inputs(node)
     strategy = node_plan.strategy
@@ -619,7 +632,6 @@ def _node_cost(node, node_plan, plan, hardware, mask_itemsize) -> tuple:
             needs_grad=node_plan.input_needs_grad,
         )
     )
-    held = [inp.op == "get_attr" and not node_plan.input_steps[i] for i, inp in enumerate(inputs)]
     kept_shapes = [
         plan.stored_layout(inp).local_shape(tuple(inp.meta["val"].shape), mesh)
         if i in strategy.regather
