@@ -131,7 +131,7 @@ class _Shapes(fx.Interpreter):
         if kind is not None:
             shape, layout = self.expected[node.args[0].name]
             return shape, _after(layout, kind, node.kwargs["axis"], node.kwargs.get("dim"))
-        if node.target is comm.grad_bucket:  # parameters pass through, then getitem
+        if node.target in (comm.grad_bucket, comm.grad_wait):  # parameters pass through
             return [self.expected[a.name] for a in node.args[0]]
         return None
 
