@@ -68,6 +68,7 @@ from autoshard.planning import plan as plan_module
 from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
+from autoshard.planning.paused_gc import paused_gc
 from autoshard.planning.plan import NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
@@ -256,6 +257,7 @@ class Problem:
         return time, params + max(highs)
 
 
+@paused_gc
 def build_problem(
     traced: Traced,
     mesh: Mesh,
@@ -560,16 +562,23 @@ def _add_crossings(
     first_unit = problem.units[0]
     wiring = {u: _wiring(traced, problem, members, u, users) for u in problem.units}
     problem.sources = {u: tuple(wiring[u]) for u in problem.units}
+    wire_number: dict[tuple, int] = {}  # a number per wiring: keys hash fast
     known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
+    made: dict[tuple[tuple, bool], Crossing] = {}  # identical blocks share one Crossing
+    # node costs the calls of `_crossed` share, keyed by the identity of strategies and
+    # steps (`node_costs`): the plans they cost are kept alive in `alive`
+    alike: dict = {}
+    alive: list[Plan] = []
     for u in problem.units:
         for g_option in problem.options[u]:
             g = g_option.variant
             own_plan = problem.plans[g]
             for v, wires in wiring[u].items():
+                wired = wire_number.setdefault(wires, len(wire_number))
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    key = (f, g, signatures[g, u], wires, signatures[f, v])
+                    key = (f, g, signatures[g, u], wired, signatures[f, v])
                     if key not in known:
                         known[key] = _crossed(
                             traced,
@@ -585,11 +594,15 @@ def _add_crossings(
                             optimizer,
                             problem.resident[g],
                             problem.unit,
+                            alike,
+                            alive,
                         )
-                    if known[key] is not None:
-                        problem.crossing[u, v, f, g_option] = _crossing(
-                            *known[key], g_option.checkpoint
-                        )
+                    if known[key] is None:
+                        continue
+                    once = (key, g_option.checkpoint)
+                    if once not in made:
+                        made[once] = _crossing(*known[key], g_option.checkpoint)
+                    problem.crossing[u, v, f, g_option] = made[once]
 
 
 def _wiring(traced, problem: Problem, members, u: str, users) -> dict[str, tuple]:
@@ -627,13 +640,17 @@ def _crossed(
     optimizer,
     resident,
     unit_of,
+    alike: dict,
+    alive: list[Plan],
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
-    plans it, and its own totals; None where nothing changes."""
+    plans it, and its own totals; None where nothing changes. `alike`: `node_cost`'s
+    cache, with `alive` the plans it has costed."""
     nodes = dict(own.nodes)
     nodes.update({name: source.nodes[name] for name in members[v]})
     storage = dict(own.storage)
-    storage.update({fqn: source.storage[fqn] for fqn, user in users.items() if user in members[v]})
+    in_source = set(members[v])
+    storage.update({fqn: source.storage[fqn] for fqn, user in users.items() if user in in_source})
     entry_steps = own.entry_steps
     if splits_inputs:
         storage.update({name: source.storage[name] for name in source.entry_steps})
@@ -646,8 +663,9 @@ def _crossed(
     if all(context.nodes[name] == own.nodes[name] for name in members[u]):
         return None
     context = share_collectives(traced, context, unit_of, members[u])
+    alive.append(context)
     costs = {
-        name: node_cost(traced.nodes[name], context.nodes[name], context, hardware)
+        name: node_cost(traced.nodes[name], context.nodes[name], context, hardware, alike=alike)
         for name in members[u]
     }
     transient = {
@@ -775,6 +793,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     return chosen, program.priced(result.x)  # seconds, as the program priced them
 
 
+@paused_gc
 def integer_program(
     problem: Problem, budget: float | None, minimize_memory: bool
 ) -> IntegerProgram:
@@ -834,8 +853,13 @@ def integer_program(
         upper.append(hi)
 
     crossings: dict[str, list] = defaultdict(list)
+    crossed: dict[str, dict[tuple, Crossing]] = defaultdict(dict)  # per unit, its crossings
     for key, c in crossing.items():
         crossings[key[0]].append((columns[("c", *key)], c))
+        crossed[key[0]][key] = c
+    knobbed: dict[str, set[str]] = defaultdict(set)  # per unit, the nodes knobs change
+    for unit, _, knob in problem.knob_transient:
+        knobbed[unit].add(knob.node)
 
     def unit_effects(u: str) -> list[tuple[int, Effect]]:
         """(column, effect) of u's options, knobs, values kept once, joint knobs and
@@ -914,7 +938,7 @@ def integer_program(
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, 0, 0)
-        for terms in _transient_terms(problem, crossing, u, columns).values():
+        for terms in _transient_terms(problem, crossed[u], knobbed[u], u, columns).values():
             entries = {i: -v / _MIB for i, v in terms.items()}
             entries[columns["T", u]] = 1.0
             add(entries, 0, np.inf)
@@ -946,12 +970,12 @@ def integer_program(
     )
 
 
-def _transient_terms(problem: Problem, crossing, u: str, columns) -> dict[str, dict[int, float]]:
-    """Per node of `u` that a knob or a crossing changes (and one more for all the
-    others): its transient bytes as {column: coefficient} over u's options, knobs and
-    crossings."""
-    knobbed = {knob.node for (unit, _, knob) in problem.knob_transient if unit == u}
-    crossed = {key: c for key, c in crossing.items() if key[0] == u}
+def _transient_terms(
+    problem: Problem, crossed: dict[tuple, Crossing], knobbed: set[str], u: str, columns
+) -> dict[str, dict[int, float]]:
+    """Per node of `u` that a knob (`knobbed`) or a crossing of u (`crossed`) changes
+    (and one more for all the others): its transient bytes as {column: coefficient}
+    over u's options, knobs and crossings."""
     knobbed = sorted(knobbed.union(*(c.transient for c in crossed.values())))
     out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for option in problem.options[u]:
@@ -981,6 +1005,7 @@ def brute_force(problem: Problem, budget: float | None) -> dict[str, Option] | N
     return best
 
 
+@paused_gc
 def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
     """The plan: forced by `options.strategy`, else solved; with its predicted cost.
 
@@ -1015,6 +1040,7 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
     return plan
 
 
+@paused_gc
 def plan_choice(traced, mesh, problem: Problem, choice: dict[str, Option], hardware, optimizer):
     """The plan of `choice`: every node with the strategy the plan of its unit's variant
     gives it; a value crossing into a unit of another variant is converted straight
