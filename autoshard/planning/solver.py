@@ -206,6 +206,18 @@ class Problem:
     # seconds of latency of one gradient-bucket call, per (axis, dtype)
     bucket_latency: dict[tuple[str, str], float] = field(default_factory=dict)
 
+    def restricted(self, families: tuple[str, ...]) -> Problem:
+        """This problem with only the options of `families`: what `build_problem`
+        builds for them alone, without planning and costing the model again."""
+        options = {u: [o for o in opts if o.family in families] for u, opts in self.options.items()}
+        missing = sorted(u for u, opts in options.items() if not opts)
+        if missing:
+            raise StrategyError(
+                f"{families} give unit {missing[0]!r} no option: the problem was built for "
+                f"{sorted({o.family for opts in self.options.values() for o in opts})}"
+            )
+        return dataclasses.replace(self, options=options)
+
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
         out = []
