@@ -45,7 +45,14 @@ from autoshard.errors import BudgetError
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import estimate
 from autoshard.planning.planner import plan_graph
-from autoshard.planning.solver import SPACES, build_problem, plan_choice, smallest_peak, solve
+from autoshard.planning.solver import (
+    SPACES,
+    Problem,
+    build_problem,
+    plan_choice,
+    smallest_peak,
+    solve,
+)
 from autoshard.planning.units import EPILOGUE, PROLOGUE, units_of
 from autoshard.tracing.trace import trace
 
@@ -185,10 +192,12 @@ def uniform_3d_recomputed(traced, mesh, hardware):
     return estimate(traced, plan, hardware)
 
 
-def megatron_cell(traced, mesh, hardware, solved_step: float) -> str:
+def megatron_cell(solved: Problem, solved_step: float) -> str:
     """The best Megatron-LM plan at `BUDGET`, its step time over the solved plan's;
-    or, where none fits, the smallest budget one would need."""
-    problem = build_problem(traced, mesh, hardware, ("megatron",), 2.0)
+    or, where none fits, the smallest budget one would need. The solved problem holds
+    Megatron-LM's options for every unit: restricted to them, it is the problem built
+    for "megatron" alone."""
+    problem = solved.restricted(("megatron",))
     try:
         choice = solve(problem, BUDGET)
     except BudgetError:
@@ -251,7 +260,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
         families,
         f"{100 * recomputed:.0f}%",
         f"{uniform.step_time / cost.step_time:.2f}{fits}",
-        megatron_cell(traced, mesh, hardware, cost.step_time),
+        megatron_cell(problem, cost.step_time),
     ]
 
 

@@ -379,3 +379,60 @@ def test_a_mixed_space_with_the_named_families_prices_every_choice():
     serial = plan.cost.step_time + plan.cost.overlapped  # as the integer program prices it
     assert serial == pytest.approx(time, rel=1e-12)
     assert plan.cost.peak_memory == peak <= budget
+
+
+def test_identical_blocks_are_costed_once_whatever_the_depth(monkeypatch):
+    # LLaMA-3 8B's configuration at 2 and 4 layers on 8x8x8 (meta): the units, their
+    # crossings and knobs are costed once per distinct block, the blocks after the
+    # first share one Crossing per source and option, and the cyclic garbage
+    # collector (whose passes over every live object grew with depth) stays paused
+    # while the problem is built.
+    import gc
+
+    calls: dict[str, int] = defaultdict(int)
+    paused = []
+    for name in ("_unit_cost", "_crossed"):
+        original = getattr(solver, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            paused.append(not gc.isenabled())
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(solver, name, counted)
+    mesh, hw = Mesh.from_shape((8, 8, 8)), Hardware.load("ib-cluster")
+    counts, problems = [], []
+    for layers in (2, 4):
+        calls.clear()
+        model, inputs = load_factory(f"{ROOT}/benchmarks/scale.py:meta_model")(
+            "llama3-8b", layers, 16, 1024
+        )
+        problems.append(build_problem(trace(model, inputs), mesh, hw, SPACES["3d"], 2.0))
+        counts.append(dict(calls))
+    assert counts[0] == counts[1] and counts[0]["_crossed"] > 0
+    assert all(paused) and gc.isenabled()
+    deep = problems[1]
+    later = [u for u in deep.units if u.startswith("model.model.layers.") and "layers.0" not in u]
+    shared = 0
+    for (u, v, f, option), crossing in deep.crossing.items():
+        if u in later[:2] and v in later:  # from the block part before, in the next block
+            twin = deep.units[deep.units.index(u) + 2], deep.units[deep.units.index(v) + 2]
+            assert deep.crossing[(*twin, f, option)] is crossing
+            shared += 1
+    assert shared > 0
+
+
+def test_a_problem_restricted_to_one_family_is_that_family_built_alone():
+    # The scale benchmark's Megatron-LM column restricts the solved problem instead
+    # of planning and costing the model again.
+    everything, alone = _problem(GPT, families=SPACES["all"]), _problem(GPT, families=("megatron",))
+    restricted = everything.restricted(("megatron",))
+    assert {o.family for opts in restricted.options.values() for o in opts} == {"megatron"}
+    floor = smallest_peak(alone)
+    assert smallest_peak(restricted) == floor
+    for budget in (None, floor * 1.2):
+        assert restricted.evaluate(solve(restricted, budget)) == alone.evaluate(
+            solve(alone, budget)
+        )
+    with pytest.raises(autoshard.errors.StrategyError, match="no option"):
+        alone.restricted(("3d",))

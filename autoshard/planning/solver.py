@@ -69,6 +69,7 @@ from autoshard.planning.chunking import CHUNKS, chunkings
 from autoshard.planning.collectives import share_collectives
 from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
+from autoshard.planning.paused_gc import paused_gc
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan, bucket_calls
 from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
 from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
@@ -210,6 +211,18 @@ class Problem:
     # the loss an option with chunks runs in pieces, by (unit, variant, chunks)
     chunked: dict[tuple[str, Variant, int], ChunkedLoss] = field(default_factory=dict)
 
+    def restricted(self, families: tuple[str, ...]) -> Problem:
+        """This problem with only the options of `families`: what `build_problem`
+        builds for them alone, without planning and costing the model again."""
+        options = {u: [o for o in opts if o.family in families] for u, opts in self.options.items()}
+        missing = sorted(u for u, opts in options.items() if not opts)
+        if missing:
+            raise StrategyError(
+                f"{families} give unit {missing[0]!r} no option: the problem was built for "
+                f"{sorted({o.family for opts in self.options.values() for o in opts})}"
+            )
+        return dataclasses.replace(self, options=options)
+
     def choices(self, unit: str) -> list[Option]:
         """Every option of `unit` with every setting of its knobs."""
         out = []
@@ -259,6 +272,7 @@ class Problem:
         return time, params + max(highs)
 
 
+@paused_gc
 def build_problem(
     traced: Traced,
     mesh: Mesh,
@@ -600,7 +614,13 @@ def _add_crossings(
     first_unit = problem.units[0]
     wiring = {u: _wiring(traced, problem, members, u, users) for u in problem.units}
     problem.sources = {u: tuple(wiring[u]) for u in problem.units}
+    wire_number: dict[tuple, int] = {}  # a number per wiring: keys hash fast
     known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
+    made: dict[tuple[tuple, bool], Crossing] = {}  # identical blocks share one Crossing
+    # node costs the calls of `_crossed` share, keyed by the identity of strategies and
+    # steps (`node_costs`): the plans they cost are kept alive in `alive`
+    alike: dict = {}
+    alive: list[Plan] = []
     for u in problem.units:
         for g_option in problem.options[u]:
             g = g_option.variant
@@ -614,10 +634,11 @@ def _add_crossings(
                 own_plan, own_costs = _chunked(
                     traced, problem.plans[g], costs[g], chunked, hardware
                 )
+                wired = wire_number.setdefault(wires, len(wire_number))
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    key = (f, g, signatures[g, u], wires, signatures[f, v], chunked)
+                    key = (f, g, signatures[g, u], wired, signatures[f, v], chunked)
                     if key not in known:
                         known[key] = _crossed(
                             traced,
@@ -633,11 +654,15 @@ def _add_crossings(
                             optimizer,
                             problem.resident[g],
                             problem.unit,
+                            alike,
+                            alive,
                         )
-                    if known[key] is not None:
-                        problem.crossing[u, v, f, g_option] = _crossing(
-                            *known[key], g_option.checkpoint
-                        )
+                    if known[key] is None:
+                        continue
+                    once = (key, g_option.checkpoint)
+                    if once not in made:
+                        made[once] = _crossing(*known[key], g_option.checkpoint)
+                    problem.crossing[u, v, f, g_option] = made[once]
 
 
 def _wiring(traced, problem: Problem, members, u: str, users) -> dict[str, tuple]:
@@ -675,13 +700,17 @@ def _crossed(
     optimizer,
     resident,
     unit_of,
+    alike: dict,
+    alive: list[Plan],
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
-    plans it, and its own totals; None where nothing changes."""
+    plans it, and its own totals; None where nothing changes. `alike`: `node_cost`'s
+    cache, with `alive` the plans it has costed."""
     nodes = dict(own.nodes)
     nodes.update({name: source.nodes[name] for name in members[v]})
     storage = dict(own.storage)
-    storage.update({fqn: source.storage[fqn] for fqn, user in users.items() if user in members[v]})
+    in_source = set(members[v])
+    storage.update({fqn: source.storage[fqn] for fqn, user in users.items() if user in in_source})
     entry_steps = own.entry_steps
     if splits_inputs:
         storage.update({name: source.storage[name] for name in source.entry_steps})
@@ -694,8 +723,9 @@ def _crossed(
     if all(context.nodes[name] == own.nodes[name] for name in members[u]):
         return None
     context = share_collectives(traced, context, unit_of, members[u])
+    alive.append(context)
     costs = {
-        name: node_cost(traced.nodes[name], context.nodes[name], context, hardware)
+        name: node_cost(traced.nodes[name], context.nodes[name], context, hardware, alike=alike)
         for name in members[u]
     }
     transient = {
@@ -823,6 +853,7 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     return chosen, program.priced(result.x)  # seconds, as the program priced them
 
 
+@paused_gc
 def integer_program(
     problem: Problem, budget: float | None, minimize_memory: bool
 ) -> IntegerProgram:
@@ -882,8 +913,13 @@ def integer_program(
         upper.append(hi)
 
     crossings: dict[str, list] = defaultdict(list)
+    crossed: dict[str, dict[tuple, Crossing]] = defaultdict(dict)  # per unit, its crossings
     for key, c in crossing.items():
         crossings[key[0]].append((columns[("c", *key)], c))
+        crossed[key[0]][key] = c
+    knobbed: dict[str, set[str]] = defaultdict(set)  # per unit, the nodes knobs change
+    for unit, _, knob in problem.knob_transient:
+        knobbed[unit].add(knob.node)
 
     def unit_effects(u: str) -> list[tuple[int, Effect]]:
         """(column, effect) of u's options, knobs, values kept once, joint knobs and
@@ -962,7 +998,7 @@ def integer_program(
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, 0, 0)
-        for terms in _transient_terms(problem, crossing, u, columns).values():
+        for terms in _transient_terms(problem, crossed[u], knobbed[u], u, columns).values():
             entries = {i: -v / _MIB for i, v in terms.items()}
             entries[columns["T", u]] = 1.0
             add(entries, 0, np.inf)
@@ -994,12 +1030,12 @@ def integer_program(
     )
 
 
-def _transient_terms(problem: Problem, crossing, u: str, columns) -> dict[str, dict[int, float]]:
-    """Per node of `u` that a knob or a crossing changes (and one more for all the
-    others): its transient bytes as {column: coefficient} over u's options, knobs and
-    crossings."""
-    knobbed = {knob.node for (unit, _, knob) in problem.knob_transient if unit == u}
-    crossed = {key: c for key, c in crossing.items() if key[0] == u}
+def _transient_terms(
+    problem: Problem, crossed: dict[tuple, Crossing], knobbed: set[str], u: str, columns
+) -> dict[str, dict[int, float]]:
+    """Per node of `u` that a knob (`knobbed`) or a crossing of u (`crossed`) changes
+    (and one more for all the others): its transient bytes as {column: coefficient}
+    over u's options, knobs and crossings."""
     knobbed = sorted(knobbed.union(*(c.transient for c in crossed.values())))
     out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for option in problem.options[u]:
@@ -1029,6 +1065,7 @@ def brute_force(problem: Problem, budget: float | None) -> dict[str, Option] | N
     return best
 
 
+@paused_gc
 def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
     """The plan: forced by `options.strategy`, else solved; with its predicted cost.
 
@@ -1095,6 +1132,7 @@ def _forced_chunks(traced: Traced, plan: Plan, chunks: int) -> ChunkedLoss:
     return found[0]
 
 
+@paused_gc
 def plan_choice(
     traced,
     mesh,
