@@ -48,7 +48,7 @@ def plan(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
-    overlap: bool = True,
+    overlap: bool | None = None,
     loss_chunks: int | None = None,
 ) -> Plan:
     """Plan `model` for a mesh of `mesh_shape` without any process group.
@@ -62,10 +62,11 @@ def plan(
     a dict from module-path patterns (``"layers.*.fc1"``) to families; a
     single family with a budget only chooses where to recompute. `optimizer`
     sets the optimizer-state bytes per parameter byte ("adam", "sgd", … or a
-    number). `overlap` (the default) has backward launch the gradient buckets'
-    reductions and go on computing, waiting for them only at its end, and prices
-    them so; False runs each to completion where it is launched (`Plan.overlap`).
-    number). `loss_chunks` runs the loss over its tokens in that many pieces (1:
+    number). `overlap` (None, the default: on, or as a saved `plan` says) has
+    backward launch the gradient buckets' reductions and go on computing, waiting
+    for them only at its end, and prices them so; False runs each to completion
+    where it is launched (`Plan.overlap`).
+    `loss_chunks` runs the loss over its tokens in that many pieces (1:
     never; None, the default: the solver chooses, pricing the memory each count saves
     against its collectives' latency; `autoshard.planning.chunking`).
     """
@@ -186,7 +187,7 @@ def compile(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
-    overlap: bool = True,
+    overlap: bool | None = None,
     loss_chunks: int | None = None,
     plan: Plan | None = None,
 ) -> Compiled:
@@ -218,8 +219,14 @@ def _applied(plan: Plan | None, traced: Traced, mesh: Mesh, options: PlanOptions
     """`plan` checked against `traced` and `mesh`, or a new one solved for them."""
     if plan is None:
         return plan_traced(traced, mesh, options)
-    if plan.overlap != options.overlap:  # a runtime setting: the plan's layouts stand
-        plan = replace(plan, overlap=options.overlap)
+    if options.overlap is not None and plan.overlap != options.overlap:
+        plan = replace(plan, overlap=options.overlap)  # a runtime setting: layouts stand
+    saved_chunks = max((c.chunks for c in plan.chunked), default=1)
+    if options.loss_chunks is not None and options.loss_chunks != saved_chunks:
+        raise StrategyError(
+            f"loss_chunks={options.loss_chunks}, but the plan given runs its loss in "
+            f"{saved_chunks} piece(s): it is part of the plan, so plan again with it"
+        )
     if plan.mesh != mesh:
         raise MeshError(f"the plan is for mesh {plan.mesh}, not {mesh}; plan again")
     check_plan(plan, traced)
@@ -236,7 +243,7 @@ def parallelize(
     hardware: Hardware | str | None = None,
     strategy_space: str = "3d",
     optimizer: str | float = "adam",
-    overlap: bool = True,
+    overlap: bool | None = None,
     loss_chunks: int | None = None,
     plan: Plan | None = None,
     compiled: Compiled | None = None,

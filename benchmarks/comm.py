@@ -14,6 +14,9 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 - "DTensor TP": `parallelize_module` with the Megatron layout (first linear of each
   MLP column-wise, second row-wise) over all 8 ranks; for the MLP stack only (the
   GPT example's attention reshapes by its global head count).
+- "autoshard Megatron": `autoshard.parallelize(..., strategy="megatron")` on the same
+  flat mesh of 8 (MLP stack only): DTensor's layout planned and emitted by autoshard,
+  so that the two runtimes' overheads compare like for like.
 - "torch.compile" (`--compile`): `torch.compile(parallel)` with inductor, compiled
   before the timing starts; forward+backward only (a forward under no_grad would
   compile a second program).
@@ -38,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
 
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,6 +58,13 @@ MODELS = {
     ),
     "GPT example": (f"{ROOT}/examples/gpt.py:gpt", {}),
 }
+# (numerator, denominator) of each ratio printed
+COMPARED = (
+    ("autoshard", "hand-written 3D"),
+    ("autoshard", "DTensor TP"),
+    ("autoshard Megatron", "DTensor TP"),
+    ("autoshard", "torch.compile"),
+)
 COMPILE_TIMEOUT_S = 1800  # 8 inductor compiles at once on a small machine
 
 
@@ -154,7 +165,6 @@ def hand_written(parallel) -> fx.GraphModule:
 
 
 def dtensor_tp(model, device_mesh):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -206,6 +216,10 @@ def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
         tp_model.load_state_dict(model.state_dict())
         tp = dtensor_tp(tp_model, device_mesh)
         variants["DTensor TP"] = lambda *xs: tp(*xs)
+        # the same layout as DTensor's, planned by autoshard: overhead like for like
+        flat = init_device_mesh("cpu", (device_mesh.size(),), mesh_dim_names=("a",))
+        megatron = autoshard.parallelize(model, flat, inputs, strategy="megatron")
+        variants["autoshard Megatron"] = lambda *xs: megatron(*xs)
     if compiled:
         variants["torch.compile"] = torch.compile(parallel)
         _cpu(variants["torch.compile"], inputs, 2, True)  # compiles
@@ -237,18 +251,17 @@ def main() -> None:
         print(f"\n{title}: {calls} collective calls per step ({before} without shared")
         print("conversions and gradient buckets); CPU time per step on rank 0:")
         for phase, by_variant in times.items():
-            base = by_variant["autoshard"]
-            for name, seconds in by_variant.items():
-                if name == "autoshard":
-                    print(f"  {phase:17} autoshard {statistics.median(seconds) * 1e3:8.2f} ms")
+            own = statistics.median(by_variant["autoshard"])
+            print(f"  {phase:17} autoshard {own * 1e3:8.2f} ms")
+            for mine, theirs in COMPARED:
+                if mine not in by_variant or theirs not in by_variant:
                     continue
-                ratios = [a / b for a, b in zip(base, seconds)]
+                ratios = [a / b for a, b in zip(by_variant[mine], by_variant[theirs])]
                 print(
-                    f"  {phase:17} autoshard / {name:16} min {min(ratios):.3f}  "
+                    f"  {phase:17} {mine} / {theirs:16} min {min(ratios):.3f}  "
                     f"median {statistics.median(ratios):.3f}  "
-                    f"({name} {statistics.median(seconds) * 1e3:.2f} ms)"
+                    f"({theirs} {statistics.median(by_variant[theirs]) * 1e3:.2f} ms)"
                 )
-
 
 if __name__ == "__main__":
     main()

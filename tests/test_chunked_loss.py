@@ -2,6 +2,7 @@
 equals the serial model's, logs the calls its plan predicts, and holds less at its peak,
 as the cost model says; the solver takes it where the budget needs it."""
 
+import dataclasses
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 import autoshard
 from autoshard.cost.hardware import Hardware
 from autoshard.cost.model import node_costs
-from autoshard.errors import StrategyError
+from autoshard.errors import PlanError, StrategyError
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import first_users, totals
 from autoshard.planning.solver import SPACES, build_problem, smallest_peak, solve
@@ -113,3 +114,39 @@ def test_a_loss_that_cannot_run_in_pieces_is_refused_by_name():
         StrategyError, match="loss_chunks=3: the loss's tokens do not divide into 3 pieces here"
     ):
         autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=3)
+
+
+def test_a_saved_plan_keeps_its_overlap_and_refuses_another_loss_chunking():
+    model, inputs = wide_gpt()
+    saved = autoshard.plan(model, MESH, inputs, strategy="3d", overlap=False, loss_chunks=4)
+    again = autoshard.compile(model, MESH, inputs, plan=saved)
+    assert not again.plan.overlap and again.plan.chunks(saved.chunked[0].head) == 4
+    assert autoshard.compile(model, MESH, inputs, plan=saved, overlap=True).plan.overlap
+    with pytest.raises(StrategyError, match="loss_chunks=2, but the plan given runs its loss in 4"):
+        autoshard.compile(model, MESH, inputs, plan=saved, loss_chunks=2)
+
+
+def test_the_solver_refuses_to_ignore_a_loss_chunking_it_cannot_offer():
+    # one linear and its loss: no repeated block, so the loss is no epilogue's
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64, bias=False))
+    inputs = (torch.randn(64, 16), torch.randint(0, 64, (64,)))
+
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = model
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.head(x), y)
+
+    refused = "loss_chunks=4: the solver runs in pieces only a loss read after"
+    with pytest.raises(StrategyError, match=refused):
+        autoshard.plan(WithLoss(), MESH, inputs, loss_chunks=4, memory_budget="1GiB")
+
+
+def test_a_saved_plan_whose_pieces_do_not_fit_the_model_is_refused():
+    model, inputs = wide_gpt()
+    saved = autoshard.plan(model, MESH, inputs, strategy="3d", loss_chunks=4)
+    edited = dataclasses.replace(saved.chunked[0], chunks=3)
+    with pytest.raises(PlanError, match=r"plan.chunked\[0\] runs loss .* in 3 pieces"):
+        autoshard.compile(model, MESH, inputs, plan=dataclasses.replace(saved, chunked=(edited,)))

@@ -26,7 +26,9 @@ class PlanOptions:
     memory_budget: float | None = None  # bytes per rank; None: the hardware's memory
     strategy_space: str = "3d"  # what the solver chooses from ("3d" or "all")
     optimizer: float = OPTIMIZERS["adam"]  # optimizer-state bytes per parameter byte
-    overlap: bool = True  # gradient-bucket reductions overlap backward (`Plan.overlap`)
+    # gradient-bucket reductions overlap backward (`Plan.overlap`); None: on, or as a
+    # saved plan says
+    overlap: bool | None = None
     # pieces the loss runs in over the tokens (`autoshard.planning.chunking`): None, the
     # solver chooses; 1, never in pieces; k, in k pieces where the model allows it
     loss_chunks: int | None = None
@@ -40,7 +42,7 @@ class PlanOptions:
         hardware: Hardware | str | None = None,
         strategy_space: str = "3d",
         optimizer: str | float = "adam",
-        overlap: bool = True,
+        overlap: bool | None = None,
         loss_chunks: int | None = None,
     ) -> PlanOptions:
         """The keywords of `autoshard.plan` as given (a budget like ``"80GiB"``, a
@@ -68,9 +70,9 @@ def _optimizer(optimizer: str | float) -> float:
     return float(optimizer)
 
 
-def _overlap(overlap: bool) -> bool:
-    if not isinstance(overlap, bool):
-        raise StrategyError(f"overlap={overlap!r}: give True (the default) or False")
+def _overlap(overlap: bool | None) -> bool | None:
+    if overlap is not None and not isinstance(overlap, bool):
+        raise StrategyError(f"overlap={overlap!r}: give True, False or None (the default)")
     return overlap
 
 

@@ -5,8 +5,8 @@ layouts, cost records, the keys that find identical blocks), nearly all freed by
 reference counting. Each allocation burst still triggers the cyclic collector, whose
 full passes walk every live object again: the traced graph and the whole-model plan
 of every variant. On LLaMA-3 70B's 80 layers (8x8x8) that was about 0.9 s of the
-2.3 s of building the solver's problem. Paused, the few cycles planning leaves are
-collected once, when it ends."""
+2.3 s of building the solver's problem. Paused, the few cycles planning leaves wait
+for the collector's next pass after it."""
 
 from __future__ import annotations
 

@@ -1082,7 +1082,7 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
             raise StrategyError("memory_budget needs strategy=None or a single family name")
         plan = plan_graph(traced, mesh, strategy)
         plan = share_collectives(traced, plan, units_of(traced, plan))
-        plan.overlap = options.overlap
+        plan.overlap = options.overlap is not False
         if options.loss_chunks not in (None, 1):
             plan.chunked = (_forced_chunks(traced, plan, options.loss_chunks),)
     else:
@@ -1102,10 +1102,16 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
             loss_chunks=options.loss_chunks,
         )
         if options.loss_chunks not in (None, 1) and not problem.chunked:
-            _forced_chunks(traced, problem.plans[space[0], ()], options.loss_chunks)  # raises
+            _forced_chunks(traced, problem.plans[space[0], ()], options.loss_chunks)
+            raise StrategyError(
+                f"loss_chunks={options.loss_chunks}: the solver runs in pieces only a loss "
+                "read after the model's last repeated block (an lm-head and its loss); this "
+                "model's loss is not, so force a family (strategy='3d') to cut it anyway, "
+                "or give loss_chunks=None"
+            )
         choice = solve(problem, memory_budget)
         plan = plan_choice(
-            traced, mesh, problem, choice, hardware, options.optimizer, options.overlap
+            traced, mesh, problem, choice, hardware, options.optimizer, options.overlap is not False
         )
         plan.reasons = reasons(problem, choice, memory_budget)
         return plan

@@ -31,6 +31,7 @@ from torch import fx
 from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
+from autoshard.planning.chunking import chunkings
 from autoshard.planning.plan import NodePlan, Plan
 from autoshard.planning.planner import _candidates, _regathered
 from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback
@@ -134,6 +135,13 @@ def check_plan(plan: Plan, traced: Traced) -> None:
             for i, (value, steps) in enumerate(zip(tensor_inputs(node), plan.output_steps)):
                 whole = Layout.replicated(len(_shape(value)))
                 _follow(stored[value], steps, whole, mesh, f"output {i} ({value.name!r})")
+    for i, chunked in enumerate(plan.chunked):
+        if chunked not in chunkings(traced, plan, (chunked.chunks,)):
+            raise PlanError(
+                f"plan.chunked[{i}] runs loss {chunked.loss!r} in {chunked.chunks} pieces, "
+                "which this plan's layouts do not allow (a bias-free linear's logits, through "
+                f"views only, into a vocabulary-parallel cross-entropy, tokens divisible); {_AGAIN}"
+            )
 
 
 def _placed(node: fx.Node) -> bool:
