@@ -25,17 +25,11 @@ import torch.distributed as dist
 ROOT = Path(__file__).parents[1]
 sys.path.insert(0, str(ROOT))
 
+from comm import MODELS  # noqa: E402  (benchmarks/comm.py: the same two models)
+
 import autoshard  # noqa: E402
 from autoshard.runtime.ranks import shared_pool  # noqa: E402
 from autoshard.testing import load_factory  # noqa: E402
-
-MODELS = {
-    "MLP stack": (
-        f"{ROOT}/examples/mlp.py:mlp",
-        dict(batch=8, seq=8, hidden=64, layers=4, dropout=0.0),
-    ),
-    "GPT example": (f"{ROOT}/examples/gpt.py:gpt", {}),
-}
 
 
 def _wall(run, inputs, steps: int) -> float:
