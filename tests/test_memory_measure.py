@@ -166,24 +166,26 @@ def _training_step(parallel, inputs):
 
 def _compare(per_rank, predictions: dict, capsys) -> None:
     """Every rank's measurement against the prediction ((model, plan) → (saved, peak)):
-    what is kept exactly, the activation peak within `PEAK_BOUND` either way; a case
-    in `GAPS` must still miss (remove it once the model is fixed)."""
+    what is kept exactly, the activation peak within `PEAK_BOUND` either way; a case in
+    `GAPS` both within its own, looser bound."""
     for key, (saved, peak) in predictions.items():
         measured = [ranks[key] for ranks in per_rank]
         m = measured[0]
+        reason, bound = GAPS.get(key, ("", None))
         with capsys.disabled():
             print(
                 f"\n{' '.join(key)}: saved {m.saved_bytes} B measured, {saved} B predicted "
                 f"({saved / m.saved_bytes - 1:+.2%}); activation peak {m.peak_bytes} B "
                 f"measured, {peak} B predicted ({peak / m.peak_bytes - 1:+.2%})"
-                + (f" [known gap: {GAPS[key]}]" if key in GAPS else "")
+                + (f" [known gap: {reason}]" if reason else "")
             )
-        # When backward frees a buffer may differ by a few kB between ranks.
-        exact = all(
-            m.saved_bytes == saved and abs(peak / m.peak_bytes - 1) <= PEAK_BOUND
-            for m in measured
-        )
-        assert exact != (key in GAPS), (key, measured, (saved, peak))
+        for m in measured:  # when backward frees a buffer may differ a little by rank
+            if bound is None:
+                assert m.saved_bytes == saved, (key, m, (saved, peak))
+                assert abs(peak / m.peak_bytes - 1) <= PEAK_BOUND, (key, m, (saved, peak))
+            else:
+                assert abs(saved / m.saved_bytes - 1) <= bound, (key, m, (saved, peak))
+                assert abs(peak / m.peak_bytes - 1) <= bound, (key, m, (saved, peak))
 
 
 # Measured on gpt (8×32 tokens, d = 32, vocab 64, 2 layers, p = 0) and on LLaMA,
@@ -194,14 +196,15 @@ def _compare(per_rank, predictions: dict, capsys) -> None:
 # backward frees each buffer is not modelled, so the prediction may miss a little
 # either way.
 PEAK_BOUND = 0.10
-# Cases the memory model does not predict yet, and how far off it is (see README).
+# Cases the memory model does not predict within those bounds yet: why, and the bound
+# they do hold, on what is kept and on the peak (see README). T5's measured peaks move
+# between runs (the same program: 11.86 or 12.34 MB planned "3d").
 GAPS = {
-    ("gpt", "replicated, blocks recomputed"): "peak +26%: a replay frees as it goes",
-    ("llama", "3d, blocks recomputed"): "saved +17%: two parts keep one residual stream",
-    ("t5", "3d"): "peak +12%: math attention's s² transients",
-    ("t5", "3d, blocks recomputed"): "peak +14%",
-    ("t5", "3d, knobs turned"): "saved +4%",
-    ("t5", "tight budget"): "peak +22%",
+    ("gpt", "replicated, blocks recomputed"): ("peak +26%: a replay frees as it goes", 0.30),
+    ("llama", "3d, blocks recomputed"): ("saved +17%: two parts keep one residual stream", 0.20),
+    ("t5", "3d"): ("peak +8% or +12%: math attention's s² transients", 0.15),
+    ("t5", "3d, blocks recomputed"): ("peak −1% or +14%", 0.20),
+    ("t5", "tight budget"): ("peak +22%", 0.25),
 }
 
 

@@ -60,6 +60,7 @@ from autoshard.formula import Formula
 from autoshard.layout import Step
 from autoshard.mesh import Mesh
 from autoshard.strategies import Lowering, Saved, entry_for
+from autoshard.strategies.pointwise import dropout_returns_input
 from autoshard.strategies.registry import itemsize as _itemsize
 from autoshard.strategies.registry import largest_operand
 from autoshard.strategies.registry import numel as _numel
@@ -405,6 +406,8 @@ def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:
     if value.target is operator.getitem:
         return value.args[0] if _aliases(value.args[0]) else None
     if _aliases(value) or (value.target in _RESHAPES and _reshape_views(value, plan)):
+        return tensor_inputs(value)[0]
+    if value.target is aten.dropout.default and dropout_returns_input(value):
         return tensor_inputs(value)[0]
     return None
 

@@ -188,8 +188,11 @@ def _tied_stored_best(plan: Plan, traced: Traced, replan) -> Plan:
     storages tried are the same shards nested in another order (each rank keeps as
     much): `replan(stored_as)` plans the model with parameter FQN → layout given, which
     every reader, the first included, converts from."""
+    alternatives = _tied_alternatives(traced, plan)
+    if not alternatives:
+        return plan
     best, best_traffic = plan, _traffic(plan)
-    for fqn, layouts in _tied_alternatives(traced, plan).items():
+    for fqn, layouts in alternatives.items():
         for layout in layouts:
             with warnings.catch_warnings():  # the same nodes warn as in `plan`
                 warnings.simplefilter("ignore")

@@ -158,12 +158,18 @@ def _rewrite_dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 DROPOUT = Lowering("dropout", _rewrite_dropout)
 
 
+def dropout_returns_input(node: fx.Node) -> bool:
+    """Whether a dropout returns its input itself (p = 0, or not training), as torch's
+    and autoshard's (`ops.dropout`) do: a view of its storage, with nothing kept."""
+    p, train = (list(node.args[1:]) + [0.5, True])[:2]
+    return p == 0 or not train
+
+
 def _dropout_mask(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """A mask of the output's size, `mask_itemsize` bytes per element, nothing when p = 0
     or not training. torch's native dropout keeps a bool mask (1 byte); autoshard's
     lowering multiplies by a noise tensor of the activation's dtype, the default."""
-    p, train = (list(node.args[1:]) + [0.5, True])[:2]
-    if p == 0 or not train:
+    if dropout_returns_input(node):
         return Saved()
     mask = mask_itemsize if mask_itemsize is not None else itemsize(node)
     return Saved(extra_bytes=numel(out_shape) * mask)
