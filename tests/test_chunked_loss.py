@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import autoshard
 from autoshard.cost.hardware import Hardware
@@ -16,7 +18,7 @@ from autoshard.cost.model import node_costs
 from autoshard.errors import PlanError, StrategyError
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import first_users, totals
-from autoshard.planning.solver import SPACES, build_problem, smallest_peak, solve
+from autoshard.planning.solver import REGATHER, SPACES, build_problem, smallest_peak, solve
 from autoshard.planning.units import EPILOGUE
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory, measure_memory
@@ -37,6 +39,49 @@ def llama_ignoring_padding():
     model, (ids, labels) = load_factory(f"{ROOT}/tests/hf_zoo.py:llama")(seq=16)
     labels[labels == model.model.config.pad_token_id] = -100
     return model, (ids, labels)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class TransformedHead(nn.Module):
+    """Blocks, then a dense transform before a bias-free lm-head (as BERT's masked-LM
+    head): the unit after the blocks has a layer besides the head."""
+
+    def __init__(self, vocab: int = 256, d: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.transform, self.head = nn.Linear(d, d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(F.gelu(self.transform(x)))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_a_loss_in_pieces_keeps_the_other_layers_knobs():
+    """With the loss in pieces, the head may not regather its input in backward (it
+    keeps its pieces of it), while the transform before it still may."""
+    torch.manual_seed(0)
+    model = TransformedHead()
+    traced = trace(model, (torch.randint(0, 256, (8, 16)), torch.randint(0, 256, (8, 16))))
+    problem = build_problem(traced, Mesh.from_shape(MESH), Hardware.load("nvlink-8"), ("3d",), 2.0)
+    regathering = {
+        option.chunks: {k.node for k in problem.knobs[EPILOGUE, option] if k.kind == REGATHER}
+        for option in problem.options[EPILOGUE]
+    }
+    chunked = problem.chunked[EPILOGUE, ("3d", ()), 4]
+    assert regathering[1] == {chunked.head, "linear_2"}
+    assert regathering[4] == regathering[16] == {"linear_2"}
 
 
 @pytest.mark.parametrize(

@@ -497,7 +497,8 @@ def _add_options(
         for knob_cost in cost.knobs:
             if knob_cost.kind == REGATHER and checkpoint:
                 continue  # a replayed region keeps nothing of its own anyway
-            if knob_cost.kind == REGATHER and chunks > 1:
+            in_pieces = chunked is not None and names[knob_cost.position] in chunked.nodes
+            if knob_cost.kind == REGATHER and in_pieces:
                 continue  # a head run in pieces keeps its pieces of the gathered input
             kind = knob_cost.kind
             if kind == "weight":
