@@ -145,19 +145,19 @@ class InsertCollectives:
         return self.converted[key]
 
     def _insert_buckets(self, graph: fx.Graph) -> None:
-        """One `grad_bucket` call per bucket, before the first node that reads a
-        parameter of one: the parameters it serves pass through it (and through the
-        next bucket of another axis). Autograd runs a bucket's backward once every
-        reader's is done, and, as it takes ready nodes latest-made first, before the
-        backward of the ops above it. With `Plan.overlap` that backward only launches
-        the reductions, so they run while those ops' backward does, and a `grad_wait`
-        before the first op (run last) waits for them."""
+        """One `grad_bucket` call per bucket, where the plan places it (`bucket_places`:
+        before the first node that reads a parameter of one): the parameters it serves
+        pass through it (and through the bucket of another axis placed with it).
+        Autograd runs a bucket's backward once every reader's is done, and, as it
+        takes ready nodes latest-made first, before the backward of the ops above it.
+        With `Plan.overlap` that backward only launches the reductions, so they run
+        while those ops' backward does, and a `grad_wait` before the first op (run
+        last) waits for them."""
         if not self.plan.buckets:
             return
         nodes = {n.name: n for n in graph.nodes}
-        served = {name for bucket in self.plan.buckets for name, _ in bucket.serves}
+        places = self.plan.bucket_places()
         first_op = next(n for n in graph.nodes if n.op == "call_function")
-        first_reader = next(n for n in graph.nodes if n.name in served)
         current = {}
         for bucket in self.plan.buckets:
             for name, i in bucket.serves:
@@ -173,7 +173,7 @@ class InsertCollectives:
             if self.plan.overlap:
                 kwargs["overlap"] = True
             values = tuple(current[served] for served in bucket.serves)
-            with graph.inserting_before(first_reader):
+            with graph.inserting_before(nodes[places[bucket.name]]):
                 passed = {served: current[served] for served in bucket.serves}
                 current.update(self._passed(graph, grad_bucket, (values,), kwargs, passed))
         self.converted.update(current)

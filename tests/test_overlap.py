@@ -12,6 +12,7 @@ import torch
 
 import autoshard
 from autoshard.cost.hardware import Hardware
+from autoshard.planning import collectives
 from autoshard.planning.overlap import backward_end
 from autoshard.planning.plan import Bucket
 from autoshard.runtime import comm
@@ -83,6 +84,30 @@ def test_overlapped_reductions_are_waited_for_accumulate_and_log_as_predicted():
             assert torch.equal(grad, want[name]), name
 
 
+def test_buckets_cut_at_units_launch_as_backward_passes_them(monkeypatch):
+    """With a bucket cap below one block's bucketed bytes, every unit's gradients are
+    buckets of their own, placed at the unit's first reader: the program still equals
+    serial, logs exactly the predicted calls, and the cost model hides more of them."""
+    model, inputs = load_factory(GPT)()
+    whole = autoshard.compile(model, MESH, inputs, strategy="3d")
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 1)
+    cut = autoshard.compile(model, MESH, inputs, strategy="3d")
+    axes = {b.axis for b in whole.plan.buckets}
+    assert len(whole.plan.buckets) == len(axes) < len(cut.plan.buckets)
+    assert len(set(cut.plan.bucket_places().values())) > 1
+    assert cut.plan.cost.overlapped > whole.plan.cost.overlapped
+    for ranks in shared_pool(8).run(_accumulated, MESH, [cut, whole]):
+        (logged, launched, grads, pending), (_, _, want, _) = ranks
+        predicted = Counter(
+            (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in cut.plan.predicted_calls()
+        )
+        assert logged == Counter({key: 2 * n for key, n in predicted.items()})
+        assert launched == 2 * len(cut.plan.buckets) and not pending
+        for name, grad in grads.items():  # the same sums, in other buckets
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6)
+    assert_equivalent(GPT, MESH, compiled=cut)
+
+
 @pytest.mark.parametrize("hardware", ["nvlink-8", "ib-cluster"])
 @pytest.mark.parametrize("factory", [GPT, MLP], ids=["gpt", "mlp"])
 def test_overlap_never_lengthens_the_predicted_step(factory, hardware):
@@ -122,16 +147,40 @@ def _bucket(name, axis, *serves):
     return Bucket(name, axis, 2, "float32", 4, tuple((s, 0) for s in serves))
 
 
+def _end(buckets, seconds, after: float, before: float = 0.0) -> float:
+    """`backward_end` with every bucket placed before node "reader": `after` seconds of
+    backward compute above it (run after the launch), `before` below it."""
+    compute = {"above": after, "reader": 0.0, "below": before}
+    return backward_end(buckets, seconds, compute, {b.name: "reader" for b in buckets})
+
+
 def test_backward_ends_when_the_compute_after_and_every_reduction_are_done():
     a, b = _bucket("a", "a", "x"), _bucket("b", "b", "y")
     seconds = {"a": 3.0, "b": 2.0}
     # independent: both launched at once, beside the compute above the first reader
-    assert backward_end((a, b), seconds, after=1.0) == 3.0
-    assert backward_end((a, b), seconds, after=5.0) == 5.0
+    assert _end((a, b), seconds, after=1.0) == 3.0
+    assert _end((a, b), seconds, after=5.0) == 5.0
+    assert _end((a, b), seconds, after=1.0, before=2.0) == 2.0 + 3.0
     # a reduces what b reduced: autograd waits for b, then launches a
     chained = _bucket("b", "b", "x")
-    assert backward_end((a, chained), seconds, after=1.0) == 2.0 + 3.0
-    assert backward_end((a, chained), seconds, after=4.0) == 2.0 + 4.0
+    assert _end((a, chained), seconds, after=1.0) == 2.0 + 3.0
+    assert _end((a, chained), seconds, after=4.0) == 2.0 + 4.0
     # two buckets over one axis (two dtypes) take turns on it
     same = _bucket("b", "a", "y")
-    assert backward_end((a, same), seconds, after=1.0) == 5.0
+    assert _end((a, same), seconds, after=1.0) == 5.0
+
+
+def test_a_later_blocks_bucket_launches_while_the_first_blocks_compute():
+    # two blocks' buckets over one axis: the second block's launches once backward is
+    # past it, and reduces while the first block computes; the first block's then waits
+    # for the axis
+    first, second = _bucket("first", "a", "block0"), _bucket("second", "a", "block1")
+    seconds = {"first": 2.0, "second": 2.0}
+    compute = {"block0": 3.0, "block1": 1.0}
+    places = {"first": "block0", "second": "block1"}
+    # block1 computes (1), launches second (1 → 3); block0 computes (→ 4), launches first
+    # (4 → 6): 6 against 1 + 3 + 2 + 2 = 8 serially, 2 s hidden
+    assert backward_end((first, second), seconds, compute, places) == 6.0
+    # one bucket for both, placed before block0: nothing runs beside it
+    both = _bucket("both", "a", "block0", "block1")
+    assert backward_end((both,), {"both": 4.0}, compute, {"both": "block0"}) == 8.0

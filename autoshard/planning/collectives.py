@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from torch import fx
 
 from autoshard.layout import Step
-from autoshard.planning.plan import Bucket, NodePlan, Plan, SharedInput
+from autoshard.planning.plan import BUCKET_BYTES, Bucket, NodePlan, Plan, SharedInput
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 
@@ -45,22 +45,28 @@ def share_collectives(
     its unit). With `names`, only among those nodes: what costing them needs."""
     names = list(plan.nodes if names is None else names)
     bucketed = set()
-    groups: dict[tuple[str, str], list] = defaultdict(list)  # (axis, dtype) → served
+    # per unit, in the order units first come: (axis, dtype) → what it reduces there
+    per_unit: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))
     for name in names:
         placed = plan.nodes[name]
         for i, value in enumerate(tensor_inputs(traced.nodes[name])):
             for step in bucketed_steps(value, placed, i):
-                groups[step.axis, dtype_name(value)].append((name, i, step))
+                per_unit[unit_of[name]][step.axis, dtype_name(value)].append((name, i, step))
                 bucketed.add((name, i))
+    segments = _segments(list(per_unit.values()))
+    dtypes = {dtype for groups in per_unit.values() for _, dtype in groups}
     buckets = tuple(
         Bucket(
-            name=f"grad_bucket_{axis}" + (f"_{dtype}" if len({d for _, d in groups}) > 1 else ""),
+            name=f"grad_bucket_{axis}"
+            + (f"_{dtype}" if len(dtypes) > 1 else "")
+            + (f"_{k}" if k else ""),
             axis=axis,
             group_size=served[0][2].group_size,
             dtype=dtype,
             nbytes=sum(step.nbytes for _, _, step in served),
             serves=tuple((name, i) for name, i, _ in served),
         )
+        for k, groups in enumerate(segments)
         for (axis, dtype), served in sorted(groups.items())
     )
     first: dict[tuple, tuple[str, int]] = {}
@@ -77,6 +83,32 @@ def share_collectives(
             else:
                 first[key] = (name, i)
     return dataclasses.replace(plan, shared=tuple(shared), buckets=buckets)
+
+
+def _segments(units: list[dict[tuple[str, str], list]]) -> list[dict[tuple[str, str], list]]:
+    """Consecutive units' gradient reductions (per unit: (axis, dtype) → (node, input,
+    step) served), in groups that each fill no bucket past `BUCKET_BYTES` (a unit that
+    does alone is a group of its own): a group's buckets are launched once backward is
+    past the group's first reader, while the units before it still compute, as DDP
+    launches a bucket once its gradients are ready. A model whose bucketed gradients
+    fit one call (3D plans: biases and norm weights) keeps one bucket per axis."""
+    segments: list[dict[tuple[str, str], list]] = []
+    for groups in reversed(units):  # backward's order: the last unit's gradients first
+        current = segments[-1] if segments else None
+        fits = current is not None and all(
+            _nbytes(current.get(key, ())) + _nbytes(served) <= BUCKET_BYTES
+            for key, served in groups.items()
+        )
+        if not fits:
+            current = defaultdict(list)
+            segments.append(current)
+        for key, served in groups.items():
+            current[key][:0] = served  # kept in graph order
+    return segments[::-1]
+
+
+def _nbytes(served) -> int:
+    return sum(step.nbytes for _, _, step in served)
 
 
 def bucketed_steps(value: fx.Node, placed: NodePlan, i: int) -> tuple[Step, ...]:

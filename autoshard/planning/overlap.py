@@ -3,30 +3,34 @@
 With `Plan.overlap` the program's backward launches each bucket's reductions and
 goes on (`autoshard.runtime.comm.grad_bucket`); it waits for them at its end, before
 the gradients reach the parameters. Autograd runs ready nodes latest-made first, on
-one thread, so backward unfolds as follows once the backward of the first node that
-reads a bucketed parameter (`first reader`) is done:
+one thread, so backward unfolds as follows, from the last node to the first:
 
-- the buckets' nodes run, latest-made first: each launches its calls, after waiting
-  for any later bucket whose gradients it reduces further (a parameter replicated
-  over two axes goes through a bucket per axis, in turn);
-- the backward of every node above the first reader computes, `after` seconds;
-- the last wait ends when both that compute and every launched reduction are done.
+- each node's backward computes, in turn;
+- once backward is past the node a bucket is placed before (`Plan.bucket_places`:
+  the first reader of what it serves), the bucket launches its calls, after waiting
+  for any bucket placed with it whose gradients it reduces further (a parameter
+  replicated over two axes goes through a bucket per axis, in turn);
+- the last wait ends when every node's backward and every launched reduction are
+  done.
 
 One axis reduces one call at a time; calls over different axes (different process
 groups, different links) run side by side. With R the seconds of each bucket's
-calls (`bucket_seconds`), the end time of backward past the first reader is
+calls (`bucket_seconds`) and B those of backward's compute, backward ends at
 
-    end = max(t + after, max over buckets of its finish)
+    end = max(t, max over buckets of its finish)
 
-where t is when the last bucket was launched, and without overlap it is
-``Σ R + after``. The difference is the communication hidden (`overlapped`), which
+where t is when its compute is done (waits included), and without overlap it is
+``B + Σ R``. The difference is the communication hidden (`overlapped`), which
 `estimate` takes off the step time: ``max`` where the serial program pays a sum.
 
-For one bucket launched at once, ``end = max(R, after)``: hidden ``min(R, after)``.
+For one bucket placed where `after` seconds of compute remain, ``end = B − after +
+max(R, after)``: hidden ``min(R, after)``. Buckets are cut at units, so that those of
+the last blocks launch while the first blocks still compute (`collectives._segments`).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 
 from autoshard.cost.hardware import Hardware
@@ -39,29 +43,35 @@ def overlapped(plan: Plan, costs: Mapping[str, NodeCost], hardware: Hardware) ->
     `plan.overlap`); `costs` are the plan's node costs (`node_costs`)."""
     if not plan.overlap or not plan.buckets:
         return 0.0
-    served = {name for bucket in plan.buckets for name, _ in bucket.serves}
-    after = 0.0  # backward compute of the nodes above the first reader
-    for name in plan.nodes:
-        if name in served:
-            break
-        after += costs[name].backward_compute
+    compute = {name: costs[name].backward_compute for name in plan.nodes}
     seconds = {b.name: bucket_seconds(b, plan.mesh, hardware) for b in plan.buckets}
-    end = backward_end(plan.buckets, seconds, after)
-    return sum(seconds.values()) + after - end
+    end = backward_end(plan.buckets, seconds, compute, plan.bucket_places())
+    return sum(seconds.values()) + sum(compute.values()) - end
 
 
-def backward_end(buckets: tuple[Bucket, ...], seconds: Mapping[str, float], after: float) -> float:
-    """When backward ends, from the first reader's backward on (see the module
-    docstring): `buckets` in the program's order, `seconds` of each by name."""
+def backward_end(
+    buckets: tuple[Bucket, ...],
+    seconds: Mapping[str, float],
+    compute: Mapping[str, float],
+    places: Mapping[str, str],
+) -> float:
+    """When backward ends (see the module docstring): `buckets` in the program's order,
+    `seconds` of each by name, `compute`: each node's backward seconds in graph order,
+    `places`: the node each bucket is placed before."""
+    placed: dict[str, list[int]] = defaultdict(list)
+    for k, bucket in enumerate(buckets):
+        placed[places[bucket.name]].append(k)
     t = 0.0  # autograd's thread
     finish: dict[str, float] = {}  # bucket → when its reductions are done
     free: dict[str, float] = {}  # axis → when it is free for the next call
-    for k in reversed(range(len(buckets))):
-        bucket = buckets[k]
-        mine = set(bucket.serves)
-        for later in buckets[k + 1 :]:  # whose gradients it reads: waited for
-            if mine & set(later.serves):
-                t = max(t, finish[later.name])
-        start = max(t, free.get(bucket.axis, 0.0))
-        finish[bucket.name] = free[bucket.axis] = start + seconds[bucket.name]
-    return max(t + after, *finish.values())
+    for name in reversed(list(compute)):
+        t += compute[name]
+        for k in reversed(placed.get(name, [])):  # placed together: latest-made first
+            bucket = buckets[k]
+            mine = set(bucket.serves)
+            for later in buckets[k + 1 :]:  # whose gradients it reads: waited for
+                if later.name in finish and mine & set(later.serves):
+                    t = max(t, finish[later.name])
+            start = max(t, free.get(bucket.axis, 0.0))
+            finish[bucket.name] = free[bucket.axis] = start + seconds[bucket.name]
+    return max(t, *finish.values())

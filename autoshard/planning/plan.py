@@ -222,6 +222,27 @@ class Plan:
             if (node.name, i, s.axis) in self._bucketed
         ]
 
+    def bucket_places(self) -> dict[str, str]:
+        """Bucket name → the node the program places it before: the first that reads a
+        parameter it serves, or one that a bucket it shares a parameter with serves (a
+        parameter reduced over two axes passes through a bucket of each, together).
+        Its backward runs once backward is past that node: the reductions launch there."""
+        order = {name: k for k, name in enumerate(self.nodes)}
+        first = {b.name: min(order[n] for n, _ in b.serves) for b in self.buckets}
+        sharing: dict[tuple[str, int], list[str]] = defaultdict(list)
+        for b in self.buckets:
+            for served in b.serves:
+                sharing[served].append(b.name)
+        changed = True
+        while changed:  # the earliest place of each group that shares parameters
+            changed = False
+            for names in sharing.values():
+                low = min(first[n] for n in names)
+                changed |= any(first[n] != low for n in names)
+                first.update(dict.fromkeys(names, low))
+        names = list(self.nodes)
+        return {bucket: names[k] for bucket, k in first.items()}
+
     def predicted_calls(self) -> list[Call]:
         """Every collective one training step runs, in no particular order."""
         out = []

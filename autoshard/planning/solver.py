@@ -42,8 +42,11 @@ whole step. The integer program HiGHS solves:
 where y[u, f] sums x over u's options of variant f. The e rows are written as
 the coupling of two one-hot choices (e over every f and g, its sums over f and
 over g equal to x and y): exact, and a far tighter relaxation than the three
-rows each of the product. `brute_force` enumerates every option and knob
-setting, and the tests hold the two equal.
+rows each of the product; f and g run over classes of variants and options that
+cross alike (`_crossing_classes`). `brute_force` enumerates every option and knob
+setting, and the tests hold the two equal. The program counts a bucket's calls
+from all its bytes; cut at block parts (`collectives._segments`), a big model's
+buckets may make a call more per cut, which the plan's estimate counts.
 """
 
 from __future__ import annotations
