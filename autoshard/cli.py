@@ -451,6 +451,7 @@ def show(args, console: Console) -> None:
         hardware=args.hardware,
         strategy_space=args.space,
         loss_chunks=args.loss_chunks,
+        overlap=False if args.no_overlap else None,
     )
     budget, hardware = options.memory_budget, options.hardware
     if not 0 <= args.rank < mesh.world_size:
@@ -645,6 +646,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run the loss over its tokens in this many pieces (1: never; default: the "
         "solver chooses)",
+    )
+    show_parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="run each gradient bucket's reduction to its end where backward launches it, "
+        "and price it so (default: overlapped with the rest of backward)",
     )
     show_parser.add_argument(
         "--hardware",

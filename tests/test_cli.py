@@ -193,13 +193,14 @@ def test_every_show_flag_reaches_the_planner(capsys, monkeypatch):
         "--space": ("all", lambda got: got["strategy_space"] == "all"),
         "--hardware": ("ib-cluster", lambda got: got["hardware"].name == "ib-cluster"),
         "--loss-chunks": ("1", lambda got: got["loss_chunks"] == 1),
+        "--no-overlap": (None, lambda got: got["overlap"] is False),
     }
     display = {"--rank": "3", "--no-code": None}
     assert _show_flags() == {"--help", *planning, *display}
     args = ["--mesh", "1x2x4"]
     for flag, (value, check) in planning.items():
         received.clear()
-        extra = [] if flag == "--mesh" else [flag, value]
+        extra = [] if flag == "--mesh" else [flag] if value is None else [flag, value]
         if flag == "--budget":
             extra += ["--strategy", "3d"]  # a budget takes a single family or the solver
         show(capsys, *args, *extra, "--no-code")
