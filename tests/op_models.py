@@ -268,3 +268,19 @@ class Experts(nn.Module):
 
 def experts():
     return Experts(), (torch.randn(16, 16),)
+
+
+class LookupThenLayer(nn.Module):
+    """An embedding (feature-parallel under "3d") and a linear after it."""
+
+    def __init__(self, vocab=32, hidden=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layer = nn.Linear(hidden, hidden)
+
+    def forward(self, ids):
+        return self.layer(self.embed(ids))
+
+
+def lookup_then_layer():
+    return LookupThenLayer(), (torch.randint(0, 32, (8, 4)),)

@@ -12,15 +12,18 @@ import torch
 import autoshard
 from autoshard.cost.hardware import Hardware
 from autoshard.cost.model import node_costs
+from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.planning.estimate import first_users
 from autoshard.planning.planner import Knobs, default_split, plan_graph
-from autoshard.runtime.ops import keep_shard
+from autoshard.runtime.ops import _PRODUCT_GRADS, keep_shard
 from autoshard.runtime.ranks import shared_pool
+from autoshard.strategies import entries
 from autoshard.testing import assert_equivalent, load_factory
 from autoshard.tracing.trace import trace
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
+LOOKUP = f"{Path(__file__).parent}/op_models.py:lookup_then_layer"
 MESH = (2, 2, 2)
 
 
@@ -111,3 +114,28 @@ def test_a_kept_shard_gets_the_gradients_autograd_gives(op, args, index):
     for got, expected in zip(ours, theirs):
         if isinstance(got, torch.Tensor):
             assert torch.allclose(got.grad, expected.grad, atol=1e-5), f"{op}: {got.shape}"
+
+
+def test_the_ops_that_regather_are_those_keep_shard_differentiates():
+    regathering = {str(entry.op) for entry in entries() if entry.regathers}
+    assert regathering == set(_PRODUCT_GRADS)
+
+
+def test_an_embedding_never_regathers_its_ids():
+    """Ids that arrive split over every axis (as the solver's plan passes them in when
+    its first part runs data parallel) are all-gathered before the feature-parallel
+    lookup; the regather knob turned on every layer keeps the linear's input as a
+    shard but not the ids (keep_shard has no lookup's derivative), and the plan runs
+    equal to serial."""
+    model, inputs = load_factory(LOOKUP)()
+    traced = trace(model, inputs)
+    mesh = Mesh.from_shape(MESH)
+    split_ids = {"ids": Layout((mesh.names, ()))}
+    layers = dict.fromkeys(["embedding", "linear"], Knobs(regather=True))
+    plan = plan_graph(traced, mesh, "3d", inputs=split_ids, knobs=layers)
+    lookup = plan.nodes["embedding"]
+    assert lookup.strategy.family == "feature-parallel"
+    assert any(s.forward_collective == "all_gather" for s in lookup.input_steps[1])
+    assert lookup.strategy.regather == ()
+    assert plan.nodes["linear"].strategy.regather == (0,)
+    assert_equivalent(LOOKUP, MESH, plan=plan)

@@ -45,6 +45,7 @@ from autoshard.strategies import (
     Unclaimed,
     all_reduces,
     batch_dims,
+    entry_for,
     is_tensor,
     parallel_axes,
     replicated_fallback,
@@ -595,10 +596,18 @@ def _place(
     return _regathered(node, placed) if knobs.regather else placed
 
 
+def can_regather(node: fx.Node) -> bool:
+    """Whether the node's op can keep an input as its stored shard and gather it again
+    in backward (its registry entry says so: `OpEntry.regathers`)."""
+    entry = entry_for(node.target)
+    return entry is not None and entry.regathers
+
+
 def _regathered(node: fx.Node, placed: NodePlan) -> NodePlan:
     """`placed` with the saved-input knob on: each activation input that arrives
     through an all-gather, and that the node keeps for backward (a layer keeps it
-    for its weight's gradient), is kept as its stored shard instead."""
+    for its weight's gradient), is kept as its stored shard instead, where its op can
+    (`can_regather`: an embedding's lookup cannot)."""
     inputs = tensor_inputs(node)
     weights = [g for inp, g in zip(inputs, placed.input_needs_grad) if inp.op == "get_attr"]
     regather = tuple(
@@ -606,6 +615,7 @@ def _regathered(node: fx.Node, placed: NodePlan) -> NodePlan:
         for i, inp in enumerate(inputs)
         if any(weights)
         and placed.strategy.split_weight is not None
+        and can_regather(node)
         and inp.op != "get_attr"
         and any(step.forward_collective == "all_gather" for step in placed.input_steps[i])
     )

@@ -74,7 +74,14 @@ from autoshard.planning.estimate import Totals, estimate, first_users, own_memor
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.paused_gc import paused_gc
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan, bucket_calls
-from autoshard.planning.planner import Knobs, check_strategy, default_split, plan_graph, replanned
+from autoshard.planning.planner import (
+    Knobs,
+    can_regather,
+    check_strategy,
+    default_split,
+    plan_graph,
+    replanned,
+)
 from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
 from autoshard.strategies import NAMED
 from autoshard.tracing.trace import Traced, tensor_inputs
@@ -429,7 +436,10 @@ def _unit_cost(
         if placed.strategy.split_weight is None:
             continue  # not a layer
         other = Knobs(split_weight=not default_split(placed.strategy.family))
-        for kind, turned in (("weight", other), (REGATHER, Knobs(regather=True))):
+        turns = [("weight", other)]
+        if can_regather(traced.nodes[name]):
+            turns.append((REGATHER, Knobs(regather=True)))
+        for kind, turned in turns:
             alt, after, alt_costs = turned_totals({name: turned})
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input

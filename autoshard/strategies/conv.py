@@ -59,7 +59,7 @@ def _own_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 CONV_GROUPS = Lowering("conv_groups", _own_groups)
 
 
-@register(*CONVOLUTIONS, lowerings=(CONV_GROUPS,))
+@register(*CONVOLUTIONS, lowerings=(CONV_GROUPS,), regathers=True)
 def convolution(ctx: Context) -> list[Strategy]:
     x_nd, w_nd = len(ctx.shape(0)), len(ctx.shape(1))
     if x_nd != w_nd:

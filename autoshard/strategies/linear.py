@@ -240,13 +240,13 @@ def _valid(shapes, out_shape, mesh, candidates: list[Strategy]) -> list[Strategy
     return out
 
 
-@register(aten.linear.default, **Product(0).facts())
+@register(aten.linear.default, regathers=True, **Product(0).facts())
 def linear(ctx: Context) -> list[Strategy]:
     bias = 2 if len(ctx.inputs) == 3 else None
     return matmul_candidates(ctx, x=0, w=1, bias=bias, w_out_dim=0, w_in_dim=1)
 
 
-@register(aten.addmm.default, **Product(1).facts())
+@register(aten.addmm.default, regathers=True, **Product(1).facts())
 def addmm(ctx: Context) -> list[Strategy]:
     # addmm(bias, x, w): GPT-2's Conv1D, W stored [H, O]
     for name in ("beta", "alpha"):  # the bias is added after the collectives, unscaled
@@ -255,7 +255,8 @@ def addmm(ctx: Context) -> list[Strategy]:
     return matmul_candidates(ctx, x=1, w=2, bias=0, w_out_dim=1, w_in_dim=0)
 
 
-@register(aten.mm.default, aten.matmul.default, aten.bmm.default, **Product(0).facts())
+@register(aten.mm.default, aten.matmul.default, regathers=True, **Product(0).facts())
+@register(aten.bmm.default, **Product(0).facts())  # batched: never a layer's weight
 def matmul(ctx: Context) -> list[Strategy]:
     """``X @ W`` with W a 2-D parameter is a layer; any other product is of two
     activations (`activation_product`)."""

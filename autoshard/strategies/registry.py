@@ -63,6 +63,10 @@ class OpEntry:
     free: bool = False  # launches no kernel and moves no data: costs nothing
     aliases: bool = False  # its output is a view of its first input's storage
     lowerings: tuple[Lowering, ...] = ()  # what its rule's strategies may lower to
+    # A layer of it may keep an activation input as its stored shard for backward and
+    # gather it again there (the regather knob): `autoshard.runtime.ops.keep_shard`
+    # has its derivative. Without it the planner never turns that knob on it.
+    regathers: bool = False
 
 
 _ENTRIES: dict[object, OpEntry] = {}
@@ -77,6 +81,7 @@ def register(
     free: bool = False,
     aliases: bool = False,
     lowerings: tuple[Lowering, ...] = (),
+    regathers: bool = False,
 ) -> Callable[[Rule | None], Rule | None]:
     """The entry of each of `ops`: the rule it decorates (call it with nothing for an
     op with no rule) and these facts. An op registered twice is an error."""
@@ -93,7 +98,9 @@ def register(
             if known is not lowering:
                 raise ValueError(f"two lowerings are named {lowering.name!r}: rename one")
         for op in ops:
-            _ENTRIES[op] = OpEntry(op, rule, flops, backward, saved, free, aliases, lowerings)
+            _ENTRIES[op] = OpEntry(
+                op, rule, flops, backward, saved, free, aliases, lowerings, regathers
+            )
         return rule
 
     return wrap
