@@ -284,3 +284,21 @@ class LookupThenLayer(nn.Module):
 
 def lookup_then_layer():
     return LookupThenLayer(), (torch.randint(0, 32, (8, 4)),)
+
+
+class TiedHead(nn.Module):
+    """A lookup whose table the output projection reads too (tied weights)."""
+
+    def __init__(self, vocab=16, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def tied_head():
+    return TiedHead(), (torch.randint(0, 16, (8, 8)),)

@@ -188,7 +188,10 @@ def _tied_stored_best(plan: Plan, traced: Traced, replan) -> Plan:
     gathered over b and a and split over b again (two calls a step more). Its other
     storages tried are the same shards nested in another order (each rank keeps as
     much): `replan(stored_as)` plans the model with parameter FQN → layout given, which
-    every reader, the first included, converts from."""
+    every reader, the first included, converts from. Only a plan whose first reader's
+    strategy stores the parameter so is taken: a parameter is stored as its first
+    reader's strategy says (`check_plan`), and the solver's plan, which takes each
+    node's strategy from such plans, stores it so (`plan_choice`)."""
     alternatives = _tied_alternatives(traced, plan)
     if not alternatives:
         return plan
@@ -199,9 +202,23 @@ def _tied_stored_best(plan: Plan, traced: Traced, replan) -> Plan:
                 warnings.simplefilter("ignore")
                 other = replan({fqn: layout})
             traffic = _traffic(other)
-            if traffic < best_traffic:
+            if traffic < best_traffic and _stored_as_first_reader_says(traced, other, fqn):
                 best, best_traffic = other, traffic
     return best
+
+
+def _stored_as_first_reader_says(traced: Traced, plan: Plan, fqn: str) -> bool:
+    """Whether the first node of `plan` that reads parameter `fqn` stores it as `plan`
+    does (a feature-parallel lookup names one nesting of its table, whichever the
+    table arrives in)."""
+    for node in traced.graph_module.graph.nodes:
+        if node.name not in plan.nodes:
+            continue
+        for i, inp in enumerate(tensor_inputs(node)):
+            if inp.op == "get_attr" and inp.target == fqn:
+                own = plan.nodes[node.name].strategy.storage_for(i).normalized(plan.mesh)
+                return own == plan.storage[fqn].normalized(plan.mesh)
+    return True
 
 
 def _traffic(plan: Plan) -> tuple[float, int]:
