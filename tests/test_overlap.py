@@ -184,3 +184,54 @@ def test_a_later_blocks_bucket_launches_while_the_first_blocks_compute():
     # one bucket for both, placed before block0: nothing runs beside it
     both = _bucket("both", "a", "block0", "block1")
     assert backward_end((both,), {"both": 4.0}, compute, {"both": "block0"}) == 8.0
+
+
+
+def _autograd_node(root, name: str):
+    """The node of the autograd graph behind `root` whose name holds `name`."""
+    seen, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if name in node.name():
+            return node
+        todo += [parent for parent, _ in node.next_functions]
+    raise LookupError(name)
+
+
+def _stopped_before_the_wait(mesh, program):
+    """A backward that raises before the program's `grad_wait` (the reductions its
+    buckets launched are never waited for there), then a normal step: the reductions
+    left pending after each, and the normal step's full gradients."""
+    torch.manual_seed(0)
+    model, inputs = load_factory(MLP)(dropout=0.0)
+    parallel = autoshard.parallelize(model, mesh, inputs, compiled=program)
+    out = parallel(*inputs).sum()
+
+    def stop(grads):
+        raise RuntimeError("stopped")
+
+    _autograd_node(out.grad_fn, "_GradWaitBackward").register_prehook(stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        out.backward()
+    stale = len(comm._PENDING)
+    parallel.zero_grad()  # what the stopped pass accumulated (the unbucketed gradients)
+    parallel(*inputs).sum().backward()
+    return stale, len(comm._PENDING), parallel.full_grads()
+
+
+def test_reductions_a_stopped_backward_left_are_settled_by_the_next_step():
+    torch.manual_seed(0)
+    model, inputs = load_factory(MLP)(dropout=0.0)
+    program = autoshard.compile(model, MESH, inputs, strategy="3d", overlap=True)
+    assert program.plan.buckets
+    model(*inputs).sum().backward()
+    want = {name: p.grad for name, p in model.named_parameters()}
+    for stale, pending, grads in shared_pool(8).run(_stopped_before_the_wait, MESH, program):
+        assert stale > 0  # the stopped backward launched reductions it never waited for
+        assert pending == 0
+        assert grads.keys() == want.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6)

@@ -348,7 +348,7 @@ class _GradBucket(torch.autograd.Function):
         for (name, nbytes), piece in zip(calls, pieces):
             if ctx.overlap:
                 work = dist.all_reduce(piece, group=ctx.axis.group, async_op=True)
-                _PENDING.setdefault(_storage(flat), []).append(work)
+                _PENDING.setdefault(_storage(flat), (flat, []))[1].append(work)
             else:
                 _reduce_(piece, ctx.axis)
             if _logging():
@@ -367,8 +367,9 @@ class _GradBucket(torch.autograd.Function):
 
 
 # Reductions launched by overlapped buckets and not yet waited for, by the storage of
-# the flat buffer they reduce in place (the gradients handed on are views of it).
-_PENDING: dict[int, list] = {}
+# the flat buffer they reduce in place (the gradients handed on are views of it). Each
+# entry holds its buffer: no other tensor takes that address while the entry lives.
+_PENDING: dict[int, tuple[torch.Tensor, list]] = {}
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -379,8 +380,21 @@ def _wait_for(grads) -> None:
     """Wait for the reductions still running on the buffers `grads` are views of."""
     for g in grads:
         if g is not None:
-            for work in _PENDING.pop(_storage(g), ()):
+            _, works = _PENDING.pop(_storage(g), (None, ()))
+            for work in works:
                 work.wait()
+
+
+def _settle_stale() -> None:
+    """Wait for the reductions of a backward that never reached its `grad_wait` (it
+    raised, or ran through part of the program only), and forget them: at a program's
+    start, outside any backward, nothing launched is still to be waited for by it."""
+    if torch._C._current_graph_task_id() != -1:
+        return  # a region's forward replayed in backward: its program's wait is to come
+    while _PENDING:
+        _, (_, works) = _PENDING.popitem()
+        for work in works:
+            work.wait()
 
 
 class _GradWait(torch.autograd.Function):
@@ -406,6 +420,7 @@ def grad_wait(tensors):
     buckets reduce in place of launch (inductor schedules them), so nothing is waited."""
     if torch.compiler.is_compiling():
         return tuple(tensors)
+    _settle_stale()  # the program's first call: its forward starts here
     return _GradWait.apply(*tensors)
 
 
