@@ -187,6 +187,14 @@ def test_a_missing_field_is_named():
         _load(data)
 
 
+@pytest.mark.parametrize("field", ["overlap", "chunked"])
+def test_a_plan_without_a_field_of_its_schema_is_refused_naming_it(field):
+    data = _saved()
+    del data[field]
+    with pytest.raises(PlanError, match=rf"plan.{field} is missing: .*plan again"):
+        _load(data)
+
+
 def test_an_unknown_axis_is_named():
     data = _saved()
     data["nodes"][0]["strategy"]["stored"]["dims"][0] = ["z"]

@@ -448,7 +448,7 @@ def plan_from_dict(d) -> Plan:
         reasons=r.strings(r.field(d, "reasons", "plan", dict), "plan.reasons"),
         shared=tuple(r.shared(x, f"plan.shared[{i}]", nodes) for i, x in enumerate(shared)),
         buckets=tuple(r.bucket(x, f"plan.buckets[{i}]", nodes) for i, x in enumerate(buckets)),
-        overlap=r.check(d.get("overlap", True), "plan.overlap", bool),
+        overlap=r.field(d, "overlap", "plan", bool),
         chunked=tuple(
             r.chunked(x, f"plan.chunked[{i}]", nodes)
             for i, x in enumerate(r.field(d, "chunked", "plan", list))
@@ -499,7 +499,10 @@ class _Reader:
     def field(self, data, key: str, path: str, kind):
         self.check(data, path, dict)
         if key not in data:
-            raise PlanError(f"{path}.{key} is missing")
+            raise PlanError(
+                f"{path}.{key} is missing: the file is incomplete, or was saved before "
+                "autoshard wrote that field; plan again (autoshard.plan(...).save(path))"
+            )
         return self.check(data[key], f"{path}.{key}", kind)
 
     def items(self, values, path: str, kind) -> list:
