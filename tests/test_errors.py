@@ -30,10 +30,17 @@ def test_mesh_of_four_axes():
         autoshard.plan(model, (2, 2, 2, 2), inputs)
 
 
-def test_untraceable_model_names_the_fix():
+def test_untraceable_model_reports_what_torch_export_said_and_what_to_do():
     model, inputs = _load("branchy")
-    with pytest.raises(autoshard.TraceError, match="Branchy.*data-dependent"):
+    with pytest.raises(autoshard.TraceError) as raised:
         autoshard.plan(model, (2, 2, 2), inputs)
+    message = str(raised.value)
+    cause = raised.value.__cause__
+    said = next(line.strip() for line in str(cause).splitlines() if line.strip())
+    assert f"could not trace Branchy: {type(cause).__name__}: {said}" in message
+    assert "raised by: File" in message and "if x.sum() > 0:" in message  # the call in forward
+    assert "torch.export.export(model, example_inputs, strict=False)" in message
+    assert "control flow" not in message  # no guess at the cause
 
 
 def test_indivisible_dim_names_node_module_and_sizes():

@@ -69,13 +69,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         with custom_functions_recorded() as custom_functions:
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
-        raise TraceError(
-            f"torch.export could not trace {type(model).__name__}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}\n"
-            "autoshard needs a graph with static control flow: move data-dependent "
-            "branches (Python `if` on tensor values, .item(), data-dependent shapes) out "
-            "of forward, or express them with torch.where."
-        ) from e
+        raise TraceError(_export_failed(model, e)) from e
 
     check_custom_functions(model, custom_functions)
     inline_regions(exported.graph_module)
@@ -129,6 +123,24 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         transient,
         inputs=specs,
         signature=forward_signature,
+    )
+
+
+def _export_failed(model: torch.nn.Module, error: Exception) -> str:
+    """What torch.export said (its first line, and the call in forward it names),
+    and what the user can do; no guess at the cause: its reasons are many."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    said = next((line for line in lines if line), "")
+    message = f"torch.export could not trace {type(model).__name__}: {type(error).__name__}: {said}"
+    if "The following call raised this error:" in lines:
+        start = lines.index("The following call raised this error:") + 1
+        call = [line for line in lines[start : start + 3] if line][:2]
+        message += "\n  raised by: " + " | ".join(call)
+    return (
+        message + "\nautoshard plans the graph torch.export makes of forward on the example "
+        "inputs, and its whole message is this error's cause. To see it alone, run "
+        "torch.export.export(model, example_inputs, strict=False) (a smaller example "
+        "traces faster); if that traces the model, report it to autoshard with the model."
     )
 
 
