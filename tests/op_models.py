@@ -124,6 +124,29 @@ class InPlaceActivations(nn.Module):
         return torch.sigmoid_(self.down(h))
 
 
+class UpdatedCopies(nn.Module):
+    """In-place updates of what ``Tensor.to`` returns where it is a fresh tensor (a copy
+    asked for, or a cast): the tensor it was made from keeps its values."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        copied = h.to(h.device, copy=True)
+        copied.mul_(2)
+        cast = h.to(torch.float64)
+        cast.add_(1)
+        recast = h.to(torch.float32, copy=True)
+        recast.sub_(1)
+        return h * copied + cast.float() * recast
+
+
+def updated_copies():
+    return UpdatedCopies(), (torch.randn(8, 4, 16),)
+
+
 def in_place_activations():
     return InPlaceActivations(), (torch.randn(8, 4, 16),)
 

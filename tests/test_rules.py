@@ -30,6 +30,11 @@ SHARDED = {
         "mul_": "aten.mul_.Tensor",
         "sigmoid_": "aten.sigmoid_.default",
     },
+    "updated_copies": {
+        "mul_": "aten.mul_.Tensor",
+        "add_": "aten.add_.Tensor",
+        "sub_": "aten.sub_.Tensor",
+    },
     "elementwise": {
         "stack": "aten.stack.default",
         "repeat_interleave": "aten.repeat_interleave.self_int",
@@ -104,6 +109,18 @@ def test_an_in_place_update_of_a_view_is_refused_by_name():
         StrategyError, match=r"'mul_' .* updates 'slice_\d*', a view .* out of place"
     ):
         autoshard.plan(UpdatesAView(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
+
+
+class UpdatesWhatToReturnsItself(nn.Module):
+    def forward(self, x):
+        same = x.to(torch.float32)  # converts nothing: `same` is `x`
+        same.mul_(2)
+        return x
+
+
+def test_an_in_place_update_of_what_to_returns_itself_is_refused_by_name():
+    with pytest.raises(StrategyError, match=r"'mul_' .* updates 'to', a view .* out of place"):
+        autoshard.plan(UpdatesWhatToReturnsItself(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
 
 
 def test_no_grad_and_disabled_autocast_regions_are_inlined_and_match_serial():

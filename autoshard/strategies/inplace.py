@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import fx
 from torch.ops import aten
 
@@ -26,6 +27,7 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import register
+from autoshard.tracing.trace import argument
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -72,9 +74,28 @@ def _is_view(node) -> bool:
     its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else ()
+    if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to:
+        return _returns_its_input(node)
     return node.op == "call_function" and any(
         r.alias_info is not None and not r.alias_info.is_write for r in returns
     )
+
+
+def _returns_its_input(node: fx.Node) -> bool:
+    """Whether a `Tensor.to` call returns its input itself, as its schema's alias says
+    it may: only when it converts nothing and is not asked for a copy (`copy=True`, a
+    dtype or device changed, or a memory format the input is not in: a fresh tensor)."""
+    source, result = node.args[0].meta.get("val"), node.meta.get("val")
+    if source is None or result is None:
+        return True  # unknown: treated as the alias the schema allows
+    names = {a.name for a in node.target._schema.arguments}
+    copy = argument(node, "copy") if "copy" in names else False
+    layout = argument(node, "memory_format") if "memory_format" in names else None
+    converts = (source.dtype, source.device) != (result.dtype, result.device)
+    reformats = layout not in (None, torch.preserve_format) and not source.is_contiguous(
+        memory_format=layout
+    )
+    return not (copy or converts or reformats)
 
 
 def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
