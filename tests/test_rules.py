@@ -18,6 +18,11 @@ OPS = Path(__file__).with_name("op_models.py")
 SHARDED = {
     "conv2d": {"conv2d": "aten.conv2d.default", "conv2d_1": "aten.conv2d.default"},
     "conv1d": {"conv1d": "aten.conv1d.default", "conv1d_1": "aten.conv1d.default"},
+    "named_padding": {
+        "conv2d": "aten.conv2d.default",
+        "conv2d_1": "aten.conv2d.default",
+        "conv1d": "aten.conv1d.default",
+    },
     "transposed_weights": {
         "matmul": "aten.linear.default",
         "add_": "aten.add_.Tensor",
@@ -86,6 +91,13 @@ def test_a_depthwise_convolution_convolves_its_own_groups():
     plan = autoshard.plan(model, (2, 2, 2), (x,), strategy="3d")
     # the batch of 2 splits over one axis at most: the channels take the others
     assert plan.nodes["conv1d"].local_shape[1] < 16
+
+
+def test_a_convolution_padding_one_side_more_keeps_its_named_padding():
+    # an even kernel's "same" pads the input first (in ATen): no numeric padding says that
+    model = nn.Conv2d(4, 8, kernel_size=2, padding="same")
+    plan = autoshard.plan(model, (2, 2, 2), (torch.randn(8, 4, 6, 6),), strategy="3d")
+    assert plan.nodes["conv2d"].op == "aten.conv2d.padding"
 
 
 class UpdatesAView(nn.Module):
