@@ -1,4 +1,4 @@
-"""The rules the zoo needs (convolutions, in-place ops, stack, repeats, roll, argmax,
+"""The rules the zoo needs (convolutions, pools, in-place ops, stack, repeats, roll, argmax,
 baddbmm, experts' grouped products, more pointwise ops) shard their op and match the
 serial model, values and gradients, on real gloo ranks."""
 
@@ -22,6 +22,12 @@ SHARDED = {
         "conv2d": "aten.conv2d.default",
         "conv2d_1": "aten.conv2d.default",
         "conv1d": "aten.conv1d.default",
+    },
+    "pools": {
+        "max_pool2d": "aten.max_pool2d.default",
+        "avg_pool2d": "aten.avg_pool2d.default",
+        "adaptive_avg_pool2d": "aten.adaptive_avg_pool2d.default",
+        "adaptive_avg_pool1d": "aten.adaptive_avg_pool1d.default",
     },
     "transposed_weights": {
         "matmul": "aten.linear.default",
