@@ -168,6 +168,41 @@ def convbert():
     return encoder(hf.ConvBertModel, config)
 
 
+def squeezebert():
+    config = hf.SqueezeBertConfig(
+        **SMALL,
+        **NO_DROPOUT,
+        embedding_size=64,
+        pad_token_id=PAD,
+        q_groups=2,
+        k_groups=2,
+        v_groups=2,
+        post_attention_groups=2,
+        intermediate_groups=4,
+        output_groups=4,
+    )
+    return encoder(hf.SqueezeBertModel, config)
+
+
+def luke():
+    config = hf.LukeConfig(
+        **SMALL, **NO_DROPOUT, entity_vocab_size=16, entity_emb_size=32, pad_token_id=PAD
+    )
+    return encoder(hf.LukeModel, config)
+
+
+def megatron_bert():
+    config = hf.MegatronBertConfig(**SMALL, **NO_DROPOUT, pad_token_id=PAD)
+    return encoder(hf.MegatronBertModel, config)
+
+
+def bigbird():
+    config = hf.BigBirdConfig(
+        **SMALL, **NO_DROPOUT, pad_token_id=PAD, attention_type="original_full"
+    )
+    return encoder(hf.BigBirdModel, config)
+
+
 # -- decoder-only --------------------------------------------------------------------
 
 
@@ -318,6 +353,41 @@ def biogpt():
     return causal_lm(hf.BioGptForCausalLM, config)
 
 
+def granite():
+    config = hf.GraniteConfig(
+        **DECODER,
+        num_key_value_heads=2,
+        attention_dropout=0.0,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        attention_multiplier=0.2,
+    )
+    return causal_lm(hf.GraniteForCausalLM, config)
+
+
+def smollm3():
+    config = hf.SmolLM3Config(
+        **DECODER, num_key_value_heads=2, attention_dropout=0.0, no_rope_layer_interval=2
+    )
+    return causal_lm(hf.SmolLM3ForCausalLM, config)
+
+
+def glm4():
+    config = hf.Glm4Config(**DECODER, num_key_value_heads=2, head_dim=16, attention_dropout=0.0)
+    return causal_lm(hf.Glm4ForCausalLM, config)
+
+
+def helium():
+    config = hf.HeliumConfig(**DECODER, num_key_value_heads=2, head_dim=16, attention_dropout=0.0)
+    return causal_lm(hf.HeliumForCausalLM, config)
+
+
+def ernie4_5():
+    config = hf.Ernie4_5Config(**DECODER, num_key_value_heads=2, head_dim=16)
+    return causal_lm(hf.Ernie4_5ForCausalLM, config)
+
+
 # -- encoder-decoder -----------------------------------------------------------------
 
 SEQ2SEQ = dict(
@@ -429,6 +499,42 @@ def resnet():
     return vision(hf.ResNetModel, config)
 
 
+def efficientnet():
+    """Its convolutions pad by name ("same", "valid"), its images 32 pixels: seven
+    stages of strides halve them down to 1."""
+    config = hf.EfficientNetConfig(
+        image_size=32,
+        width_coefficient=0.1,
+        depth_coefficient=0.25,
+        hidden_dim=128,
+        dropout_rate=0.0,
+        drop_connect_rate=0.0,
+    )
+    return vision(hf.EfficientNetModel, config, ("last_hidden_state", "pooler_output"), size=32)
+
+
+def poolformer():
+    config = hf.PoolFormerConfig(
+        image_size=16,
+        depths=[1, 1],
+        hidden_sizes=[32, 64],
+        patch_sizes=[4, 2],
+        strides=[4, 2],
+        padding=[1, 0],
+        num_encoder_blocks=2,
+        drop_path_rate=0.0,
+        hidden_dropout_prob=0.0,
+    )
+    return vision(hf.PoolFormerModel, config)
+
+
+def regnet():
+    config = hf.RegNetConfig(
+        embedding_size=16, hidden_sizes=[32, 64], depths=[1, 1], groups_width=16
+    )
+    return vision(hf.RegNetModel, config, ("last_hidden_state", "pooler_output"))
+
+
 # -- audio ---------------------------------------------------------------------------
 
 
@@ -528,12 +634,13 @@ def olmoe():
 
 ZOO = {
     "encoder": ["bert", "roberta", "distilbert", "albert", "electra", "deberta_v2", "modernbert",
-                "roformer", "convbert"],
+                "roformer", "convbert", "squeezebert", "luke", "megatron_bert", "bigbird"],
     "decoder": ["gpt2", "llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2",
                 "opt", "gpt_neox", "gptj", "falcon", "bloom", "stablelm", "olmo", "starcoder2",
-                "biogpt"],
+                "biogpt", "granite", "smollm3", "glm4", "helium", "ernie4_5"],
     "encoder-decoder": ["t5", "bart", "pegasus", "marian"],
-    "vision": ["vit", "deit", "dinov2", "swin", "convnext", "resnet"],
+    "vision": ["vit", "deit", "dinov2", "swin", "convnext", "resnet", "efficientnet", "poolformer",
+               "regnet"],
     "audio": ["whisper", "wav2vec2"],
     "state-space": ["mamba"],
     "mixture-of-experts": ["mixtral", "qwen2_moe", "olmoe"],

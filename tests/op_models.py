@@ -34,8 +34,46 @@ class Conv1d(nn.Module):
         return self.pointwise(torch.nn.functional.silu(y))
 
 
+class NamedPadding(nn.Module):
+    """EfficientNet's convolutions: padding by name, "same" with a dilated odd kernel,
+    then "valid" (1-D too), and a grouped "same" one."""
+
+    def __init__(self):
+        super().__init__()
+        self.same = nn.Conv2d(4, 16, kernel_size=(3, 5), dilation=(2, 1), padding="same")
+        self.valid = nn.Conv2d(16, 8, kernel_size=3, padding="valid", bias=False)
+        self.grouped = nn.Conv1d(8, 8, kernel_size=3, padding="same", groups=4)
+
+    def forward(self, x):
+        y = self.valid(torch.relu(self.same(x)))  # [B, 8, 6, 6]
+        return self.grouped(y.flatten(2))
+
+
+class Pools(nn.Module):
+    """ResNet's, PoolFormer's and Swin's pools between convolutions: over space only."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(4, 16, kernel_size=3, padding=1)
+        self.mix = nn.Conv2d(16, 16, kernel_size=1)
+
+    def forward(self, x):
+        y = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, stride=2, padding=1)
+        y = self.mix(y - nn.functional.avg_pool2d(y, 3, stride=1, padding=1))  # [B, 16, 4, 4]
+        pooled = nn.functional.adaptive_avg_pool2d(y, 2).flatten(1)  # [B, 64]
+        return pooled * nn.functional.adaptive_avg_pool1d(y.flatten(2), 1).repeat(1, 4, 1)[..., 0]
+
+
 def conv2d():
     return Conv2d(), (torch.randn(8, 4, 8, 8),)
+
+
+def pools():
+    return Pools(), (torch.randn(8, 4, 8, 8),)
+
+
+def named_padding():
+    return NamedPadding(), (torch.randn(8, 4, 8, 8),)
 
 
 def conv1d():

@@ -1,4 +1,4 @@
-"""The rules the zoo needs (convolutions, in-place ops, stack, repeats, roll, argmax,
+"""The rules the zoo needs (convolutions, pools, in-place ops, stack, repeats, roll, argmax,
 baddbmm, experts' grouped products, more pointwise ops) shard their op and match the
 serial model, values and gradients, on real gloo ranks."""
 
@@ -18,6 +18,17 @@ OPS = Path(__file__).with_name("op_models.py")
 SHARDED = {
     "conv2d": {"conv2d": "aten.conv2d.default", "conv2d_1": "aten.conv2d.default"},
     "conv1d": {"conv1d": "aten.conv1d.default", "conv1d_1": "aten.conv1d.default"},
+    "named_padding": {
+        "conv2d": "aten.conv2d.default",
+        "conv2d_1": "aten.conv2d.default",
+        "conv1d": "aten.conv1d.default",
+    },
+    "pools": {
+        "max_pool2d": "aten.max_pool2d.default",
+        "avg_pool2d": "aten.avg_pool2d.default",
+        "adaptive_avg_pool2d": "aten.adaptive_avg_pool2d.default",
+        "adaptive_avg_pool1d": "aten.adaptive_avg_pool1d.default",
+    },
     "transposed_weights": {
         "matmul": "aten.linear.default",
         "add_": "aten.add_.Tensor",
@@ -91,6 +102,13 @@ def test_a_depthwise_convolution_convolves_its_own_groups():
     plan = autoshard.plan(model, (2, 2, 2), (x,), strategy="3d")
     # the batch of 2 splits over one axis at most: the channels take the others
     assert plan.nodes["conv1d"].local_shape[1] < 16
+
+
+def test_a_convolution_padding_one_side_more_keeps_its_named_padding():
+    # an even kernel's "same" pads the input first (in ATen): no numeric padding says that
+    model = nn.Conv2d(4, 8, kernel_size=2, padding="same")
+    plan = autoshard.plan(model, (2, 2, 2), (torch.randn(8, 4, 6, 6),), strategy="3d")
+    assert plan.nodes["conv2d"].op == "aten.conv2d.padding"
 
 
 class UpdatesAView(nn.Module):

@@ -19,6 +19,13 @@ autograd records, so it is ``aten.detach``, read by everything after it.
 
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
+
+EfficientNet's convolutions pad by name (``nn.Conv2d(..., padding="same")``), which
+traces as another overload, ``aten.conv2d.padding``. "valid" pads nothing, and "same"
+pads dilation × (kernel − 1) along each spatial dim: where that is even, half on
+each side, and ATen itself runs the numeric overload with those paddings, so that
+is the ``aten.conv2d.default`` the convolution rule knows. (Where it is odd, one
+side pads more: ATen pads the input first, and that call is left as it is.)
 """
 
 from __future__ import annotations
@@ -29,6 +36,11 @@ from torch.ops import aten
 from autoshard.tracing.experts import GROUPED_MM, grouped_mm_nt
 
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
+_NAMED_PADDING = {
+    aten.conv1d.padding: aten.conv1d.default,
+    aten.conv2d.padding: aten.conv2d.default,
+    aten.conv3d.padding: aten.conv3d.default,
+}
 _PRODUCTS = (aten.matmul.default, aten.mm.default)
 
 
@@ -50,6 +62,39 @@ def canonicalize(graph: fx.Graph) -> None:
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
     detach_out_of_place(graph)
+    pad_convolutions_by_number(graph)
+
+
+def pad_convolutions_by_number(graph: fx.Graph) -> None:
+    """``conv2d(x, w, padding="same" | "valid")`` → ``conv2d(x, w, padding=[p, ...])``,
+    in place, wherever each spatial dim pads as much on both sides."""
+    for node in graph.nodes:
+        numeric = _NAMED_PADDING.get(node.target) if node.op == "call_function" else None
+        if numeric is None:
+            continue
+        x, weight, bias, stride, padding, dilation, groups = _schema_arguments(node)
+        kernel = weight.meta["val"].shape[2:]
+        dilation = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation]
+        dilation = dilation * len(kernel) if len(dilation) == 1 else dilation
+        if padding == "valid":
+            sides = [0] * len(kernel)
+        else:  # "same": ATen pads d·(k−1) in all, half on each side when it is even
+            total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+            if any(t % 2 for t in total):
+                continue
+            sides = [t // 2 for t in total]
+        node.target = numeric
+        node.args, node.kwargs = (x, weight, bias, stride, sides, dilation, groups), {}
+
+
+def _schema_arguments(node: fx.Node) -> list:
+    """Every argument of the ATen call `node` in its schema's order, defaults filled in."""
+    return [
+        node.args[i]
+        if i < len(node.args) and not arg.kwarg_only
+        else node.kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
+        for i, arg in enumerate(node.target._schema.arguments)
+    ]
 
 
 def detach_out_of_place(graph: fx.Graph) -> None:
