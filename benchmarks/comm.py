@@ -263,5 +263,6 @@ def main() -> None:
                     f"({theirs} {statistics.median(by_variant[theirs]) * 1e3:.2f} ms)"
                 )
 
+
 if __name__ == "__main__":
     main()

@@ -188,9 +188,7 @@ def timed(fn, *args, **kwargs):
 def uniform_3d_recomputed(problem: Problem) -> tuple[float, float]:
     """All-3D with every block part recomputed, the plan users would pick by hand: its
     step time and peak as the solver prices them (its options are in `problem`)."""
-    choice = {
-        u: Option("3d", checkpoint=u not in (PROLOGUE, EPILOGUE)) for u in problem.units
-    }
+    choice = {u: Option("3d", checkpoint=u not in (PROLOGUE, EPILOGUE)) for u in problem.units}
     return problem.evaluate(choice)
 
 

@@ -186,7 +186,6 @@ def test_a_later_blocks_bucket_launches_while_the_first_blocks_compute():
     assert backward_end((both,), {"both": 4.0}, compute, {"both": "block0"}) == 8.0
 
 
-
 def _autograd_node(root, name: str):
     """The node of the autograd graph behind `root` whose name holds `name`."""
     seen, todo = set(), [root]

@@ -172,8 +172,10 @@ class Sample:
             x = torch.randn(self.shape, generator=generator, dtype=torch.float64)
             return x.requires_grad_(self.requires_grad)
         # zeros are a valid index into any non-empty dimension, and True a valid mask
-        return torch.ones(self.shape, dtype=self.dtype) if self.dtype == torch.bool else (
-            torch.zeros(self.shape, dtype=self.dtype)
+        return (
+            torch.ones(self.shape, dtype=self.dtype)
+            if self.dtype == torch.bool
+            else (torch.zeros(self.shape, dtype=self.dtype))
         )
 
 
