@@ -126,7 +126,7 @@ def _free(node: fx.Node) -> bool:
     return entry is not None and entry.free
 
 
-def _needs_grad(inputs: list[fx.Node], needs_grad: Sequence[bool] | None) -> tuple[bool, ...]:
+def _needs_grad(inputs: Sequence[fx.Node], needs_grad: Sequence[bool] | None) -> tuple[bool, ...]:
     if needs_grad is not None:
         return tuple(needs_grad)
     return tuple(inp.meta["val"].is_floating_point() for inp in inputs)
@@ -596,7 +596,7 @@ def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:
     )
 
 
-def _held(node_plan: NodePlan, plan: Plan, inputs: list[fx.Node]) -> tuple[bool, ...]:
+def _held(node_plan: NodePlan, plan: Plan, inputs: Sequence[fx.Node]) -> tuple[bool, ...]:
     """Which inputs a node reads as the parameter itself, which `parameter_bytes`
     counts: one it reads as stored, or through a gradient bucket, whose forward
     hands each parameter back as a view of it (`autoshard.runtime.comm.grad_bucket`).

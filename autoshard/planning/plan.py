@@ -192,6 +192,10 @@ class Plan:
     def _bucketed(self) -> frozenset[tuple[str, int, str]]:
         return frozenset((n, i, b.axis) for b in self.buckets for n, i in b.serves)
 
+    @cached_property
+    def _bucketed_nodes(self) -> frozenset[str]:
+        return frozenset(n for n, _, _ in self._bucketed)
+
     def node_steps(self, node: NodePlan) -> list[tuple[Step, bool]]:
         """`node`'s steps that run as its own calls (with whether their backward runs):
         not the conversions it shares with an earlier node, and, for its parameters'
@@ -215,6 +219,8 @@ class Plan:
 
     def bucketed_steps(self, node: NodePlan) -> list[tuple[int, Step]]:
         """`node`'s steps whose backward a bucket runs, with the input each serves."""
+        if node.name not in self._bucketed_nodes:
+            return []
         return [
             (i, s)
             for i, steps in enumerate(node.input_steps)

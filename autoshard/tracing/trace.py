@@ -275,20 +275,21 @@ def _aliases(model: torch.nn.Module, fqns) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+def tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:
     """The tensor-valued fx nodes among a node's arguments, in argument order.
 
     Remembered on the node until its arguments change (the planner and the cost
     model ask for every node many times)."""
+    args, kwargs = node.args, node.kwargs
     known = node.meta.get("autoshard_tensor_inputs")
-    if known is not None and known[0] is node.args and known[1] is node.kwargs:
-        return list(known[2])
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    if known is not None and known[0] is args and known[1] is kwargs:
+        return known[2]
+    leaves = pytree.tree_leaves((args, kwargs))
     found = tuple(
         a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
     )
-    node.meta["autoshard_tensor_inputs"] = (node.args, node.kwargs, found)
-    return list(found)
+    node.meta["autoshard_tensor_inputs"] = (args, kwargs, found)
+    return found
 
 
 def structure(node: fx.Node) -> int:
