@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -448,6 +448,20 @@ def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
         value = source
 
 
+def views_of(storage: fx.Node, plan: Plan) -> set[fx.Node]:
+    """`storage` and every node whose `storage_node` it is: the values that share it."""
+    found, todo = {storage}, [storage]
+    while todo:
+        value = todo.pop()
+        for user in value.users:
+            placed = plan.nodes.get(user.name)
+            if user not in found and _viewed(user, plan) is value:
+                if placed is None or not any(placed.input_steps):
+                    found.add(user)
+                    todo.append(user)
+    return found
+
+
 def storage_of(value: fx.Node, plan: Plan) -> str:
     """The name of `value`'s `storage_node`: what tensors kept as stored are counted by."""
     return storage_node(value, plan).name
@@ -673,14 +687,47 @@ def node_costs(
 ) -> dict[str, NodeCost]:
     """`node_cost` of every node of `plan`, and under ``"output"`` the collectives
     that return the outputs."""
-    graph_nodes = traced.nodes
-    alike: dict = {}  # nodes alike are costed once (`_alike_key`)
-    out = {
-        name: node_cost(
-            graph_nodes[name], placed, plan, hardware, mask_itemsize=mask_itemsize, alike=alike
+    return dict(NodeCosts(traced, plan, hardware, mask_itemsize=mask_itemsize))
+
+
+class NodeCosts(Mapping[str, NodeCost]):
+    """`node_costs`, each costed when first read: the solver reads the nodes of one
+    block of each kind (`autoshard.planning.solver`), not those of the 80 identical
+    blocks after it. Nodes alike share one `_node_cost` (`_alike_key`)."""
+
+    def __init__(
+        self, traced: Traced, plan: Plan, hardware: Hardware, *, mask_itemsize: int | None = None
+    ):
+        self.traced, self.plan, self.hardware = traced, plan, hardware
+        self.mask_itemsize = mask_itemsize
+        self._known: dict[str, NodeCost] = {}
+        self._alike: dict = {}
+
+    def __getitem__(self, name: str) -> NodeCost:
+        known = self._known.get(name)
+        if known is None:
+            known = self._known[name] = self._cost(name)
+        return known
+
+    def _cost(self, name: str) -> NodeCost:
+        plan = self.plan
+        if name == "output":
+            returned = [(step, True) for steps in plan.output_steps for step in steps]
+            return NodeCost(0.0, 0.0, *_comm(returned, self.hardware, plan.mesh), 0)
+        if name not in plan.nodes:
+            raise KeyError(name)
+        return node_cost(
+            self.traced.nodes[name],
+            plan.nodes[name],
+            plan,
+            self.hardware,
+            mask_itemsize=self.mask_itemsize,
+            alike=self._alike,
         )
-        for name, placed in plan.nodes.items()
-    }
-    returned = [(step, True) for steps in plan.output_steps for step in steps]
-    out["output"] = NodeCost(0.0, 0.0, *_comm(returned, hardware, plan.mesh), 0)
-    return out
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.plan.nodes
+        yield "output"
+
+    def __len__(self) -> int:
+        return len(self.plan.nodes) + 1

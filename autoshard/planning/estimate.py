@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from autoshard.cost.hardware import Hardware
@@ -70,7 +71,7 @@ class Totals:
 def totals(
     traced: Traced,
     plan: Plan,
-    costs: dict[str, NodeCost],
+    costs: Mapping[str, NodeCost],
     names,
     optimizer: float,
     first_users: dict[str, str],

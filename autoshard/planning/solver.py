@@ -57,7 +57,8 @@ import itertools
 import math
 import operator
 import warnings
-from collections import defaultdict
+from collections import ChainMap, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,7 +66,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import NodeCost, bucket_latency, node_cost, node_costs
+from autoshard.cost.model import NodeCost, NodeCosts, bucket_latency, node_cost
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
@@ -314,7 +315,8 @@ def build_problem(
     members: dict[str, list[str]] = defaultdict(list)
     for name, u in unit.items():
         members[u].append(name)
-    all_costs = {v: node_costs(traced, plan, hardware) for v, plan in plans.items()}
+    # costed when read: the nodes of one block of each kind, not those of every block
+    all_costs = {v: NodeCosts(traced, plan, hardware) for v, plan in plans.items()}
     # Which units the choice recomputes is not known here: a value that only a replay
     # would keep is priced as kept, once, whether or not one is chosen; otherwise a
     # recomputed unit would keep it again with its inputs, once per unit (LLaMA-3 70B's
@@ -363,15 +365,19 @@ def build_problem(
 
 
 def _chunked(
-    traced: Traced, plan: Plan, costs: dict[str, NodeCost], chunked: ChunkedLoss | None, hardware
-) -> tuple[Plan, dict[str, NodeCost]]:
+    traced: Traced,
+    plan: Plan,
+    costs: Mapping[str, NodeCost],
+    chunked: ChunkedLoss | None,
+    hardware,
+) -> tuple[Plan, Mapping[str, NodeCost]]:
     """`plan` and its node `costs` with `chunked`'s loss run in pieces (as they are for
     None): only the nodes it cuts cost otherwise."""
     if chunked is None:
         return plan, costs
     plan = dataclasses.replace(plan, chunked=(chunked,))
     again = {n: node_cost(traced.nodes[n], plan.nodes[n], plan, hardware) for n in chunked.nodes}
-    return plan, {**costs, **again}
+    return plan, ChainMap(again, costs)
 
 
 def _all_effects(problem: Problem):
@@ -426,7 +432,7 @@ def _unit_cost(
         alt_costs = {
             n: node_cost(traced.nodes[n], alt.nodes[n], alt, hardware, alike=alike) for n in names
         }
-        total = totals(traced, alt, {**costs, **alt_costs}, names, optimizer, users, resident)
+        total = totals(traced, alt, ChainMap(alt_costs, costs), names, optimizer, users, resident)
         return alt, total, alt_costs
 
     knobs = []
@@ -633,7 +639,7 @@ def _add_crossings(
     known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
     made: dict[tuple[tuple, bool], Crossing] = {}  # identical blocks share one Crossing
     # node costs the calls of `_crossed` share, keyed by the identity of strategies and
-    # steps (`node_costs`): the plans they cost are kept alive in `alive`
+    # steps (`NodeCosts`): the plans they cost are kept alive in `alive`
     alike: dict = {}
     alive: list[Plan] = []
     for u in problem.units:

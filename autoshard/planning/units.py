@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from autoshard.cost.model import storage_of
+from autoshard.cost.model import storage_of, views_of
 from autoshard.planning.plan import Plan
 from autoshard.tracing.trace import Traced
 
@@ -78,7 +78,7 @@ def kept_resident(
     traced: Traced,
     plan: Plan,
     units: dict[str, str],
-    costs: dict,
+    costs: Mapping,
     recomputed: Iterable[str] | None = None,
 ) -> frozenset[str]:
     """The `resident_values` something keeps for backward (`costs`: `node_costs`): a
@@ -87,12 +87,16 @@ def kept_resident(
     default the plan's regions). Any other (a boolean mask that attention keeps only
     as the additive mask it makes) dies with its last reader's forward, and counts
     where it enters a unit."""
-    kept = {storage for cost in costs.values() for storage in cost.shared}
+    resident = resident_values(traced, plan, units)
+    # a node keeps a storage as stored only where it is one of its views or reads one
+    views = {v for storage in resident for v in views_of(traced.nodes[storage], plan)}
+    keepers = {v.name for v in views} | {u.name for v in views for u in v.users}
+    kept = {s for name in keepers & plan.nodes.keys() for s in costs[name].shared}
     for name in plan.regions if recomputed is None else recomputed:
         for inp in traced.nodes[name].all_input_nodes:
             if inp.op != "get_attr" and units.get(inp.name) != units[name]:
                 kept.add(storage_of(traced.nodes[inp.name], plan))
-    return resident_values(traced, plan, units) & kept
+    return resident & kept
 
 
 def _read_by_many(traced: Traced, plan: Plan, units: dict[str, str]) -> set[str]:
