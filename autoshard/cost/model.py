@@ -44,6 +44,7 @@ Memory, in bytes per rank:
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -423,14 +424,23 @@ def _reshape_views(value: fx.Node, plan: Plan) -> bool:
     if placed is None or not isinstance(val, torch.Tensor):
         return False
     shape = placed.strategy.inputs[0].local_shape(tuple(val.shape), plan.mesh)
-    strides, running = [0] * len(shape), 1
-    for d in sorted(range(len(shape)), key=lambda d: (val.stride(d), -d)):  # innermost first
-        broadcast = val.stride(d) == 0 and val.shape[d] != 1
-        strides[d] = 0 if broadcast else running
+    out_shape = placed.strategy.output.local_shape(placed.shape, plan.mesh)
+    return _view_allowed(tuple(val.shape), val.stride(), tuple(shape), tuple(out_shape))
+
+
+@functools.cache
+def _view_allowed(
+    serial: tuple[int, ...], strides: tuple[int, ...], shape: tuple[int, ...], out: tuple[int, ...]
+) -> bool:
+    """Whether the local `shape` of a tensor laid out as the serial one (`serial` with
+    `strides`) views as `out`."""
+    local, running = [0] * len(shape), 1
+    for d in sorted(range(len(shape)), key=lambda d: (strides[d], -d)):  # innermost first
+        broadcast = strides[d] == 0 and serial[d] != 1
+        local[d] = 0 if broadcast else running
         running *= 1 if broadcast else shape[d]
-    local = torch.empty_strided(shape, strides, dtype=val.dtype, device="meta")
     try:
-        local.view(placed.strategy.output.local_shape(placed.shape, plan.mesh))
+        torch.empty_strided(shape, local, device="meta").view(out)
     except RuntimeError:
         return False
     return True

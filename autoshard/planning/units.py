@@ -88,15 +88,22 @@ def kept_resident(
     as the additive mask it makes) dies with its last reader's forward, and counts
     where it enters a unit."""
     resident = resident_values(traced, plan, units)
-    # a node keeps a storage as stored only where it is one of its views or reads one
-    views = {v for storage in resident for v in views_of(traced.nodes[storage], plan)}
-    keepers = {v.name for v in views} | {u.name for v in views for u in v.users}
-    kept = {s for name in keepers & plan.nodes.keys() for s in costs[name].shared}
-    for name in plan.regions if recomputed is None else recomputed:
-        for inp in traced.nodes[name].all_input_nodes:
-            if inp.op != "get_attr" and units.get(inp.name) != units[name]:
-                kept.add(storage_of(traced.nodes[inp.name], plan))
-    return resident & kept
+    replayed = set(plan.regions if recomputed is None else recomputed)
+    kept = set()
+    for storage in resident:
+        # only a node that is one of its views, or reads one, can keep it
+        views = views_of(traced.nodes[storage], plan)
+        readers = {user for value in views for user in value.users}
+        for node in views | readers:
+            if node.name in plan.nodes and storage in costs[node.name].shared:
+                kept.add(storage)
+        if any(
+            user.name in replayed and units.get(value.name) != units[user.name]
+            for value in views
+            for user in value.users
+        ):
+            kept.add(storage)
+    return frozenset(kept)
 
 
 def _read_by_many(traced: Traced, plan: Plan, units: dict[str, str]) -> set[str]:
