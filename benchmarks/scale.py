@@ -3,6 +3,7 @@
     python benchmarks/scale.py            # the whole table (long: every model, mesh, batch)
     python benchmarks/scale.py --quick    # LLaMA-3 70B, 64 x 4096 tokens, 8x8x8 only
     python benchmarks/scale.py --models llama3-70b --meshes 8x8x8 --seqs 4096 --tokens 1
+    python benchmarks/scale.py --planning 3   # the acceptance case's planning against export
 
 Models are Hugging Face configurations built on the meta device (no weights), in
 fp32, trained with Adam, on ib-cluster (nodes of 8 H100 over InfiniBand; the mesh's
@@ -24,6 +25,10 @@ last axis inside a node). Per row:
 - megatron ×: the same for Megatron-LM, tensor parallel over the mesh's last (NVLink)
   axis and data parallel over the others, with the recomputation and weight storage
   the solver finds best for it at 80 GiB, or "no fit" where no such plan fits.
+
+`--planning N` times, N times in turn, `torch.export`, autoshard's trace and
+`autoshard.plan`'s planning after it (the default space, budget 80 GiB) on the quick
+case, and prints their minimum and median and the ratios to export.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
 import sys
 import time
 import warnings
@@ -42,9 +48,11 @@ from rich.table import Table
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from autoshard.api import plan_traced
 from autoshard.cost.hardware import Hardware
 from autoshard.errors import BudgetError
 from autoshard.mesh import Mesh
+from autoshard.planning.options import PlanOptions
 from autoshard.planning.solver import (
     SPACES,
     Option,
@@ -288,6 +296,27 @@ COLUMNS = (
 )
 
 
+def planning_time(repeats: int, console: Console) -> None:
+    """Export, trace and plan the quick case in turn, `repeats` times (see above)."""
+    model, inputs = meta_model("llama3-70b", batch=64, seq=4096)
+    mesh, options = Mesh.from_shape((8, 8, 8)), PlanOptions.from_user(hardware="ib-cluster")
+    seconds: dict[str, list[float]] = {"export": [], "trace": [], "plan": []}
+    for _ in range(repeats):
+        seconds["export"].append(timed(torch.export.export, model, inputs, strict=False)[1])
+        traced, trace_s = timed(trace, model, inputs)
+        seconds["trace"].append(trace_s)
+        seconds["plan"].append(timed(plan_traced, traced, mesh, options)[1])
+        del traced
+    table = Table(title=f"LLaMA-3 70B, 64 × 4096 tokens, 8x8x8 ib-cluster: {repeats} runs each")
+    for column in ("", "min s", "median s", "min / export", "median / export"):
+        table.add_column(column, justify="right")
+    low, mid = min(seconds["export"]), statistics.median(seconds["export"])
+    for name, times in seconds.items():
+        a, b = min(times), statistics.median(times)
+        table.add_row(name, f"{a:.2f}", f"{b:.2f}", f"{a / low:.2f}", f"{b / mid:.2f}")
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="LLaMA-3 70B, 64×4096, 8x8x8")
@@ -295,6 +324,7 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=list(MESHES))
     parser.add_argument("--seqs", nargs="+", type=int, default=list(SEQS))
     parser.add_argument("--tokens", nargs="+", type=float, default=list(TOKENS_M))
+    parser.add_argument("--planning", type=int, metavar="N", help="time planning, N runs")
     args = parser.parse_args()
     if args.quick:  # the acceptance case: 64 sequences of 4096 tokens
         args.models, args.meshes, args.seqs, args.tokens = ["llama3-70b"], ["8x8x8"], [4096], [0.25]
@@ -302,6 +332,8 @@ def main() -> None:
     hardware = Hardware.load("ib-cluster")
     # a file or a pipe gets the whole table, not one squeezed to 80 columns
     console = Console(width=None if sys.stdout.isatty() else 220)
+    if args.planning:
+        return planning_time(args.planning, console)
     table = Table(title="Plans at scale (ib-cluster, fp32 + Adam, meta device, budget 80 GiB)")
     for column in COLUMNS:
         table.add_column(column, justify="right")

@@ -329,8 +329,8 @@ def build_problem(
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
     signatures = _Signatures(traced, plans, members)
+    users = first_users(traced, plans[families[0], ()])  # every variant plans every node
     for (family, order), plan in plans.items():
-        users = first_users(traced, plan)
         counts = CHUNKS if loss_chunks is None else (loss_chunks,) * (loss_chunks > 1)
         pieces: list[ChunkedLoss | None] = [
             c for c in chunkings(traced, plan, counts) if {unit[n] for n in c.nodes} == {EPILOGUE}
