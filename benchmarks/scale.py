@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import statistics
 import sys
@@ -301,10 +302,13 @@ def planning_time(repeats: int, console: Console) -> None:
     model, inputs = meta_model("llama3-70b", batch=64, seq=4096)
     mesh, options = Mesh.from_shape((8, 8, 8)), PlanOptions.from_user(hardware="ib-cluster")
     seconds: dict[str, list[float]] = {"export": [], "trace": [], "plan": []}
-    for _ in range(repeats):
+    for _ in range(repeats):  # each from a collected heap: no phase pays for another's garbage
+        gc.collect()
         seconds["export"].append(timed(torch.export.export, model, inputs, strict=False)[1])
+        gc.collect()
         traced, trace_s = timed(trace, model, inputs)
         seconds["trace"].append(trace_s)
+        gc.collect()
         seconds["plan"].append(timed(plan_traced, traced, mesh, options)[1])
         del traced
     table = Table(title=f"LLaMA-3 70B, 64 × 4096 tokens, 8x8x8 ib-cluster: {repeats} runs each")
