@@ -43,7 +43,8 @@ def share_collectives(
 ) -> Plan:
     """`plan` with its shared conversions and gradient buckets (`unit_of`: node name →
     its unit). With `names`, only among those nodes: what costing them needs."""
-    names = list(plan.nodes if names is None else names)
+    # only nodes whose inputs take steps share a conversion or reduce in a bucket
+    names = [n for n in (plan.nodes if names is None else names) if any(plan.nodes[n].input_steps)]
     bucketed = set()
     # per unit, in the order units first come: (axis, dtype) → what it reduces there
     per_unit: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))

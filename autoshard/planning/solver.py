@@ -587,13 +587,24 @@ class _Signatures(dict):
     def __init__(self, traced: Traced, plans: dict[Variant, Plan], members: dict[str, list[str]]):
         super().__init__()
         numbers: dict[tuple, int] = {}
+        # equal strategies and steps by number, each object hashed once: the planner
+        # gives identical blocks the very same objects (the plans keep them alive)
+        by_value: dict = {}
+        by_id: dict[int, int] = {}
+
+        def number(thing) -> int:
+            known = by_id.get(id(thing))
+            if known is None:
+                known = by_id[id(thing)] = by_value.setdefault(thing, len(by_value))
+            return known
+
         for variant, plan in plans.items():
             for u, names in members.items():
-                signature = _signature(traced, plan, names)
+                signature = _signature(traced, plan, names, number)
                 self[variant, u] = numbers.setdefault(signature, len(numbers))
 
 
-def _signature(traced: Traced, plan: Plan, names: list[str]) -> tuple:
+def _signature(traced: Traced, plan: Plan, names: list[str], number) -> tuple:
     """The unit of nodes `names` as `_Signatures` compares it: each node's plan, names
     aside, and where each of its inputs comes from (a node of the unit by position;
     what it reads from outside numbered as first read, with its storage)."""
@@ -607,18 +618,19 @@ def _signature(traced: Traced, plan: Plan, names: list[str]) -> tuple:
         return outside.setdefault(inp.name, key)
 
     return tuple(
-        (_unnamed(plan.nodes[n]), tuple(map(wire, tensor_inputs(traced.nodes[n])))) for n in names
+        (_unnamed(plan.nodes[n], number), tuple(map(wire, tensor_inputs(traced.nodes[n]))))
+        for n in names
     )
 
 
-def _unnamed(p: NodePlan) -> tuple:
-    """What a node plan says, but its names."""
+def _unnamed(p: NodePlan, number) -> tuple:
+    """What a node plan says, but its names (its strategy and steps by `number`)."""
     return (
         p.op,
         p.shape,
-        p.strategy,
-        p.input_steps,
-        p.output_steps,
+        number(p.strategy),
+        number(p.input_steps),
+        number(p.output_steps),
         p.input_needs_grad,
         p.needs_grad,
     )
