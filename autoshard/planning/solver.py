@@ -902,6 +902,9 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     return chosen, program.priced(result.x)  # seconds, as the program priced them
 
 
+_SUMMED = ("time", "params", "kept", "high")  # the Effect fields the program sums per unit
+
+
 @paused_gc
 def integer_program(
     problem: Problem, budget: float | None, minimize_memory: bool
@@ -988,21 +991,20 @@ def integer_program(
         out += [(c, crossing.effect) for c, crossing in crossed[u].items()]
         return out
 
-    def choice_terms(u: str, field: str) -> dict[int, float]:
-        """Σ field·column over `unit_effects`, as {column: coefficient}."""
-        terms: dict[int, float] = defaultdict(float)
-        for c, effect in unit_effects(u):
-            terms[c] += getattr(effect, field)
-        return terms
-
+    # per unit and Effect field, Σ field·column over `unit_effects` as {column: coefficient}
+    choice_terms: dict[str, dict[str, dict[int, float]]] = {}
     bucketed: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for u in problem.units:
-        cost_terms = choice_terms(u, "time")
-        for i, value in cost_terms.items():
-            cost[i] += value
+        terms = choice_terms[u] = {f: defaultdict(float) for f in _SUMMED}
         for c, effect in unit_effects(u):
+            terms["time"][c] += effect.time
+            terms["params"][c] += effect.params
+            terms["kept"][c] += effect.kept
+            terms["high"][c] += effect.high
             for key, nbytes in effect.buckets:
                 bucketed[key][c] += nbytes / _KIB
+        for i, value in terms["time"].items():
+            cost[i] += value
         add({columns["x", u, o]: 1 for o in problem.options[u]}, 1, 1)
         for option in problem.options[u]:
             for knob in problem.knobs[u, option]:
@@ -1041,11 +1043,11 @@ def integer_program(
     # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
     total_params: dict[int, float] = {params: -1.0}
     for u in problem.units:
-        total_params.update({i: v / _MIB for i, v in choice_terms(u, "params").items()})
+        total_params.update({i: v / _MIB for i, v in choice_terms[u]["params"].items()})
     add(total_params, 0, 0)
     previous = None
     for u in problem.units:
-        entries = {i: v / _MIB for i, v in choice_terms(u, "kept").items()}
+        entries = {i: v / _MIB for i, v in choice_terms[u]["kept"].items()}
         entries[columns["K", u]] = -1.0
         if previous is not None:
             entries[columns["K", previous]] = 1.0
@@ -1055,7 +1057,7 @@ def integer_program(
             entries[columns["T", u]] = 1.0
             add(entries, 0, np.inf)
         entries = {params: 1.0, columns["T", u]: 1.0, peak: -1.0}
-        entries.update({i: v / _MIB for i, v in choice_terms(u, "high").items()})
+        entries.update({i: v / _MIB for i, v in choice_terms[u]["high"].items()})
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, -np.inf, 0)
