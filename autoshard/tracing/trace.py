@@ -336,7 +336,7 @@ def _described(value):
 def module_path(node: fx.Node) -> str:
     """The FQN of the innermost module the node was traced in ('' for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
+    return next(reversed(stack.values()))[0] if stack else ""
 
 
 def argument(node: fx.Node, name: str):
