@@ -655,6 +655,7 @@ def _add_crossings(
     alike: dict = {}
     alive: list[Plan] = []
     for u in problem.units:
+        wired_from = {v: wire_number.setdefault(w, len(wire_number)) for v, w in wiring[u].items()}
         for g_option in problem.options[u]:
             g = g_option.variant
             for v, wires in wiring[u].items():
@@ -667,7 +668,7 @@ def _add_crossings(
                 own_plan, own_costs = _chunked(
                     traced, problem.plans[g], costs[g], chunked, hardware
                 )
-                wired = wire_number.setdefault(wires, len(wire_number))
+                wired = wired_from[v]
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
