@@ -300,7 +300,8 @@ COLUMNS = (
 def planning_time(repeats: int, console: Console) -> None:
     """Export, trace and plan the quick case in turn, `repeats` times (see above)."""
     model, inputs = meta_model("llama3-70b", batch=64, seq=4096)
-    mesh, options = Mesh.from_shape((8, 8, 8)), PlanOptions.from_user(hardware="ib-cluster")
+    mesh = Mesh.from_shape((8, 8, 8))
+    options = PlanOptions.from_user(memory_budget=BUDGET, hardware="ib-cluster")
     seconds: dict[str, list[float]] = {"export": [], "trace": [], "plan": []}
     for _ in range(repeats):  # each from a collected heap: no phase pays for another's garbage
         gc.collect()
@@ -336,7 +337,9 @@ def main() -> None:
     hardware = Hardware.load("ib-cluster")
     # a file or a pipe gets the whole table, not one squeezed to 80 columns
     console = Console(width=None if sys.stdout.isatty() else 220)
-    if args.planning:
+    if args.planning is not None:
+        if args.planning < 1:
+            parser.error("--planning needs a number of runs, 1 or more")
         return planning_time(args.planning, console)
     table = Table(title="Plans at scale (ib-cluster, fp32 + Adam, meta device, budget 80 GiB)")
     for column in COLUMNS:

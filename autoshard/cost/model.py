@@ -449,7 +449,8 @@ def _view_allowed(
 def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
-    local tensor too, since that tensor came out of the same op on a shard)."""
+    local tensor too, since that tensor came out of the same op on a shard).
+    `views_of` walks the same rule the other way: keep the two in step."""
     while True:
         placed = plan.nodes.get(value.name)  # None for a getitem: it has no layout of its own
         source = _viewed(value, plan)
@@ -734,6 +735,9 @@ class NodeCosts(Mapping[str, NodeCost]):
             mask_itemsize=self.mask_itemsize,
             alike=self._alike,
         )
+
+    def __contains__(self, name: object) -> bool:  # without costing it
+        return name == "output" or name in self.plan.nodes
 
     def __iter__(self) -> Iterator[str]:
         yield from self.plan.nodes

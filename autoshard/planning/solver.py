@@ -58,7 +58,7 @@ import math
 import operator
 import warnings
 from collections import ChainMap, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -604,7 +604,9 @@ class _Signatures(dict):
                 self[variant, u] = numbers.setdefault(signature, len(numbers))
 
 
-def _signature(traced: Traced, plan: Plan, names: list[str], number) -> tuple:
+def _signature(
+    traced: Traced, plan: Plan, names: list[str], number: Callable[[object], int]
+) -> tuple:
     """The unit of nodes `names` as `_Signatures` compares it: each node's plan, names
     aside, and where each of its inputs comes from (a node of the unit by position;
     what it reads from outside numbered as first read, with its storage)."""
@@ -623,7 +625,7 @@ def _signature(traced: Traced, plan: Plan, names: list[str], number) -> tuple:
     )
 
 
-def _unnamed(p: NodePlan, number) -> tuple:
+def _unnamed(p: NodePlan, number: Callable[[object], int]) -> tuple:
     """What a node plan says, but its names (its strategy and steps by `number`)."""
     return (
         p.op,
@@ -813,6 +815,7 @@ _HIGHS_OPTIONS = {
     # HiGHS's presolve restarts a search this small several times: off, the examples'
     # problems solve about twice as fast, to the same optimum
     "presolve": False,
+    # (scipy's milp hands options it does not know, like this one, on to HiGHS.)
     # Its symmetry detection finds the identical blocks' columns, but the root's
     # relaxation and heuristics settle these problems (one node): off, LLaMA-3 70B on
     # 8×8×8 solves in 1.07 s instead of 1.47 s (and 29 s instead of 35 s at 12 GiB)
@@ -884,7 +887,7 @@ class IntegerProgram:
 def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     program = integer_program(problem, budget, minimize_memory)
     with warnings.catch_warnings():  # scipy warns that it passes HiGHS's own options on
-        warnings.simplefilter("ignore", RuntimeWarning)
+        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
         result = milp(
             program.objective,
             constraints=LinearConstraint(program.matrix.tocsr(), program.lower, program.upper),
@@ -901,9 +904,6 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
         chosen[u] = dataclasses.replace(option, knobs=frozenset(knobs))
     return chosen, program.priced(result.x)  # seconds, as the program priced them
-
-
-_SUMMED = ("time", "params", "kept", "high")  # the Effect fields the program sums per unit
 
 
 @paused_gc
@@ -996,7 +996,9 @@ def integer_program(
     choice_terms: dict[str, dict[str, dict[int, float]]] = {}
     bucketed: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
     for u in problem.units:
-        terms = choice_terms[u] = {f: defaultdict(float) for f in _SUMMED}
+        terms = choice_terms[u] = {
+            field: defaultdict(float) for field in ("time", "params", "kept", "high")
+        }
         for c, effect in unit_effects(u):
             terms["time"][c] += effect.time
             terms["params"][c] += effect.params
