@@ -366,13 +366,12 @@ def calls_past_price(problem: Problem, plan: Plan) -> float:
     one more per cut."""
     run: dict[tuple[str, str], int] = defaultdict(int)
     total: dict[tuple[str, str], int] = defaultdict(int)
+    buckets: dict[tuple[str, str], int] = defaultdict(int)
     for bucket in plan.buckets:
         run[bucket.axis, bucket.dtype] += len(bucket.calls)
         total[bucket.axis, bucket.dtype] += bucket.nbytes
-    extra = {key: calls - bucket_calls(total[key]) for key, calls in run.items()}
-    buckets = defaultdict(int)
-    for bucket in plan.buckets:
         buckets[bucket.axis, bucket.dtype] += 1
+    extra = {key: calls - bucket_calls(total[key]) for key, calls in run.items()}
     assert all(0 <= n < buckets[key] for key, n in extra.items()), extra
     return sum(problem.bucket_latency[key] * n for key, n in extra.items())
 

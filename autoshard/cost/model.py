@@ -450,13 +450,18 @@ def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
     """The node whose storage `value` is: itself, or what it views through view ops
     that take no collective (a view exported from the serial model is a view of the
     local tensor too, since that tensor came out of the same op on a shard).
-    `views_of` walks the same rule the other way: keep the two in step."""
-    while True:
-        placed = plan.nodes.get(value.name)  # None for a getitem: it has no layout of its own
-        source = _viewed(value, plan)
-        if source is None or (placed is not None and any(placed.input_steps)):
-            return value
+    `views_of` walks the same steps the other way."""
+    while (source := _shares_storage_of(value, plan)) is not None:
         value = source
+    return value
+
+
+def _shares_storage_of(value: fx.Node, plan: Plan) -> fx.Node | None:
+    """The node `value` views on this rank, or None: a view that takes no collective."""
+    placed = plan.nodes.get(value.name)  # None for a getitem: it has no layout of its own
+    if placed is not None and any(placed.input_steps):
+        return None
+    return _viewed(value, plan)
 
 
 def views_of(storage: fx.Node, plan: Plan) -> set[fx.Node]:
@@ -465,11 +470,9 @@ def views_of(storage: fx.Node, plan: Plan) -> set[fx.Node]:
     while todo:
         value = todo.pop()
         for user in value.users:
-            placed = plan.nodes.get(user.name)
-            if user not in found and _viewed(user, plan) is value:
-                if placed is None or not any(placed.input_steps):
-                    found.add(user)
-                    todo.append(user)
+            if user not in found and _shares_storage_of(user, plan) is value:
+                found.add(user)
+                todo.append(user)
     return found
 
 

@@ -93,14 +93,13 @@ def kept_resident(
     for storage in resident:
         # only a node that is one of its views, or reads one, can keep it
         views = views_of(traced.nodes[storage], plan)
-        readers = {user for value in views for user in value.users}
-        for node in views | readers:
+        reads = [(value, user) for value in views for user in value.users]
+        for node in views | {user for _, user in reads}:
             if node.name in plan.nodes and storage in costs[node.name].shared:
                 kept.add(storage)
         if any(
             user.name in replayed and units.get(value.name) != units[user.name]
-            for value in views
-            for user in value.users
+            for value, user in reads
         ):
             kept.add(storage)
     return frozenset(kept)
