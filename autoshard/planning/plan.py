@@ -33,6 +33,15 @@ class NodePlan:
     input_needs_grad: tuple[bool, ...]
     needs_grad: bool
 
+    def renamed(self, name: str, module: str) -> NodePlan:
+        """This plan for another node placed alike: the same strategy and steps, shared."""
+        # Not copy.copy, which goes through __reduce_ex__: the planner renames a plan for
+        # every node of every identical block, in every variant it plans.
+        placed = object.__new__(NodePlan)
+        placed.__dict__.update(self.__dict__)
+        placed.name, placed.module = name, module
+        return placed
+
     def steps_with_grad(self) -> list[tuple[Step, bool]]:
         """Every step of this node, with whether its backward runs."""
         out = [

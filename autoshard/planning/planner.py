@@ -21,9 +21,9 @@ every rank and are split on entry the way the first 3D linear reads them.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import math
 import operator
@@ -120,6 +120,9 @@ class Knobs:
 
     split_weight: bool | None = None
     regather: bool = False
+
+
+_DEFAULT_KNOBS = Knobs()
 
 
 def default_split(family: str) -> bool:
@@ -253,7 +256,7 @@ def _planned(
     default_family = (
         family_of("", strategy) if not isinstance(strategy, dict) else strategy.get("*", "3d")
     )
-    fixed, crossing = fixed or {}, crossing or {}
+    fixed, crossing, knobs = fixed or {}, crossing or {}, knobs or {}
     stored: dict[fx.Node, Layout] = {}
     needs_grad: dict[fx.Node, bool] = {}
     storage: dict[str, Layout] = {}
@@ -292,22 +295,26 @@ def _planned(
         elif node.op == "call_function" and node.meta.get("val") is not None:
             operands = tensor_inputs(node)
             chosen = fixed.get(node.name)
-            family = chosen.family if chosen else family_of(module_path(node), strategy)
+            path = module_path(node)
+            family = chosen.family if chosen else family_of(path, strategy)
             layouts, bridges = [stored.get(n) for n in operands], {}
+            pretends = crossing.get(node.name) or {}
             for i, inp in enumerate(operands):
-                pretend = crossing.get(node.name, {}).get(inp.name)
+                pretend = pretends.get(inp.name)
                 if pretend is not None and pretend != layouts[i]:
                     val = inp.meta["val"]
                     bridges[i] = redistribute(
                         layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
                     )
                     layouts[i] = pretend
-            own = (knobs or {}).get(node.name, Knobs())
+            own = knobs.get(node.name, _DEFAULT_KNOBS)
             fixed_as = fixed_number.get(id(chosen)) if chosen is not None else None
             key = _context_key(node, family, layouts, operands, stored, needs_grad, own, fixed_as)
             template = placed_alike.get(key) if not bridges else None
             if template is not None:
-                nodes[node.name] = _reuse(template, node, operands, stored, needs_grad, storage)
+                nodes[node.name] = _reuse(
+                    template, node, path, operands, stored, needs_grad, storage
+                )
                 continue
             families = _fallbacks(family) if fallback and chosen is None else [family]
             for attempt, family in enumerate(families):
@@ -447,23 +454,28 @@ def _context_key(node, family, layouts, operands, stored, needs_grad, knobs, fix
     """Everything `_place` reads about `node`, without names: equal keys, equal
     placements (the blocks of a deep model are planned once). None for an op that
     updates a tensor in place, whose rule looks at the graph around it."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None and schema.is_mutable:
+    if _mutates(node.target):
         return None
     return (
         structure(node),
         family,
         tuple(layouts),
-        tuple(needs_grad[n] for n in operands),
-        tuple(n in stored for n in operands),
+        tuple((needs_grad[n], n in stored) for n in operands),
         knobs,
         fixed_as,  # the number of the strategy `fixed` gives it
     )
 
 
-def _reuse(template: NodePlan, node, operands, stored, needs_grad, storage) -> NodePlan:
-    """`template` (placed in the same `_context_key`) as `node`'s plan, with the
-    effects `_place` has: parameters stored on first use, the node's own layout."""
+@functools.cache
+def _mutates(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _reuse(template: NodePlan, node, path, operands, stored, needs_grad, storage) -> NodePlan:
+    """`template` (placed in the same `_context_key`) as the plan of `node`, traced in
+    module `path`, with the effects `_place` has: parameters stored on first use, the
+    node's own layout."""
     strategy = template.strategy
     for i, inp in enumerate(operands):
         if inp not in stored:
@@ -471,9 +483,7 @@ def _reuse(template: NodePlan, node, operands, stored, needs_grad, storage) -> N
             storage[inp.target] = stored[inp]
     needs_grad[node] = template.needs_grad
     stored[node] = strategy.outputs if not is_tensor(node) else strategy.stored
-    placed = copy.copy(template)  # the same layouts and steps, shared: only names differ
-    placed.name, placed.module = node.name, module_path(node)
-    return placed
+    return template.renamed(node.name, path)  # the same layouts and steps, shared
 
 
 def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
