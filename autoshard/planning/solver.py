@@ -931,10 +931,11 @@ def integer_program(
     variants = {
         u: list(dict.fromkeys(o.variant for o in options)) for u, options in problem.options.items()
     }
+    offered = {u: (set(options), set(variants[u])) for u, options in problem.options.items()}
     crossing = {  # those the options left (a test may leave some out) can take
         key: c
         for key, c in problem.crossing.items()
-        if key[3] in problem.options[key[0]] and key[2] in variants[key[1]]
+        if key[3] in offered[key[0]][0] and key[2] in offered[key[1]][1]
     }
     # c[unit, source, F, O] = y[source, F]·x[unit, O] for each class F of the source's
     # variants and class O of the unit's options of each pair that crosses (those with
@@ -959,10 +960,9 @@ def integer_program(
     rows, cols, values, lower, upper = [], [], [], [], []
 
     def add(entries: dict[int, float], lo: float, hi: float) -> None:
-        for i, value in entries.items():
-            rows.append(len(lower))
-            cols.append(i)
-            values.append(value)
+        rows.extend([len(lower)] * len(entries))
+        cols.extend(entries)
+        values.extend(entries.values())
         lower.append(lo)
         upper.append(hi)
 
@@ -1121,8 +1121,14 @@ def _crossing_classes(
     the same program in fewer columns (LLaMA-3 70B on 8×8×8: 28.6k instead of 38.8k;
     3D orders that lay a block's inputs out alike cross alike)."""
 
-    def same(c: Crossing | None):
-        return None if c is None else (c.effect, tuple(sorted(c.transient.items())))
+    numbered: dict[int, int] = {}  # id of a Crossing → a number, equal for equal ones
+    alike_numbers: dict[tuple, int] = {}
+
+    def same(c: Crossing) -> int:  # identical blocks share Crossing objects: seen once
+        if id(c) not in numbered:
+            alike = (c.effect, tuple(sorted(c.transient.items())))
+            numbered[id(c)] = alike_numbers.setdefault(alike, len(alike_numbers))
+        return numbered[id(c)]
 
     by_pair: dict[tuple[str, str], dict] = defaultdict(dict)
     for (unit, source, f, o), c in crossing.items():
