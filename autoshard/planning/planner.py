@@ -37,6 +37,7 @@ from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
 from autoshard.mesh import Mesh
 from autoshard.planning.plan import NodePlan, Plan
+from autoshard.planning.units import unit_of
 from autoshard.strategies import (
     FAMILIES,
     NAMED,
@@ -150,7 +151,6 @@ def plan_graph(
     order: tuple[str, ...] | None = None,
     knobs: dict[str, Knobs] | None = None,
     fixed: dict[str, Strategy] | None = None,
-    crossing: dict[str, dict[str, Layout]] | None = None,
     inputs: dict[str, Layout] | None = None,
     fallback: bool = False,
 ) -> Plan:
@@ -162,19 +162,16 @@ def plan_graph(
       costs differently (`autoshard.planning.solver.orientations`).
     - `knobs` (node name → Knobs): a layer's knobs.
     - `fixed` (node name → Strategy): take this strategy for the node (its knobs
-      still turn it); `crossing` (node name → input name → layout): convert
-      that input to this layout first; `inputs` (placeholder → layout): how model
-      inputs are split on entry. The solver assembles its plan from these: each
-      node as it is in the plan of its part's family and orientation, and a value
-      that crosses from one part into another first converted to the layout it
-      has in the receiving part's own plan, so every part runs exactly as priced.
+      still turn it); `inputs` (placeholder → layout): how model inputs are split on
+      entry. The solver assembles its plan from these: each node as it is in the
+      plan of its part's family and orientation (`solver.plan_choice`).
     - `fallback`: a node that no layout of its family divides takes the next family
       that fits ("3d" → "3d-allreduce" → "replicated"), noted in `Plan.fallbacks`;
       without it (a family the user forced) that node is a ShapeError.
     """
     check_strategy(strategy)
     check_patterns(traced, strategy)
-    args = (traced, mesh, strategy, order, knobs, fixed, crossing, inputs, fallback)
+    args = (traced, mesh, strategy, order, knobs, fixed, inputs, fallback)
     plan = _planned(*args, stored_as={})
     if fixed:  # every node's strategy is given, and with it where it wants each parameter
         return plan
@@ -247,16 +244,14 @@ def _tied_alternatives(traced: Traced, plan: Plan) -> dict[str, list[Layout]]:
     return out
 
 
-def _planned(
-    traced, mesh, strategy, order, knobs, fixed, crossing, inputs, fallback, *, stored_as
-) -> Plan:
+def _planned(traced, mesh, strategy, order, knobs, fixed, inputs, fallback, *, stored_as) -> Plan:
     """`plan_graph`'s plan, with each parameter in `stored_as` (FQN → layout) stored so."""
     planning = mesh.relabeled(order) if order else mesh
     graph = traced.graph_module.graph
     default_family = (
         family_of("", strategy) if not isinstance(strategy, dict) else strategy.get("*", "3d")
     )
-    fixed, crossing, knobs = fixed or {}, crossing or {}, knobs or {}
+    fixed, knobs = fixed or {}, knobs or {}
     stored: dict[fx.Node, Layout] = {}
     needs_grad: dict[fx.Node, bool] = {}
     storage: dict[str, Layout] = {}
@@ -270,7 +265,8 @@ def _planned(
     # gives identical blocks the very same objects, and numbers hash fast.
     fixed_number = {id(s): i for i, s in enumerate({id(s): s for s in fixed.values()}.values())}
 
-    for node in graph.nodes:
+    def place(node: fx.Node) -> None:
+        nonlocal output_steps
         if node.op == "placeholder":
             val = node.meta["val"]
             entry = (inputs or {}).get(node.name) or entry_layout(val, default_family, planning)
@@ -297,25 +293,16 @@ def _planned(
             chosen = fixed.get(node.name)
             path = module_path(node)
             family = chosen.family if chosen else family_of(path, strategy)
-            layouts, bridges = [stored.get(n) for n in operands], {}
-            pretends = crossing.get(node.name) or {}
-            for i, inp in enumerate(operands):
-                pretend = pretends.get(inp.name)
-                if pretend is not None and pretend != layouts[i]:
-                    val = inp.meta["val"]
-                    bridges[i] = redistribute(
-                        layouts[i], pretend, tuple(val.shape), val.element_size(), mesh
-                    )
-                    layouts[i] = pretend
+            layouts = [stored.get(n) for n in operands]
             own = knobs.get(node.name, _DEFAULT_KNOBS)
             fixed_as = fixed_number.get(id(chosen)) if chosen is not None else None
             key = _context_key(node, family, layouts, operands, stored, needs_grad, own, fixed_as)
-            template = placed_alike.get(key) if not bridges else None
+            template = placed_alike.get(key)
             if template is not None:
                 nodes[node.name] = _reuse(
                     template, node, path, operands, stored, needs_grad, storage
                 )
-                continue
+                return
             families = _fallbacks(family) if fallback and chosen is None else [family]
             for attempt, family in enumerate(families):
                 ctx = Context(node, planning, operands, layouts, family)
@@ -333,18 +320,13 @@ def _planned(
                     continue
                 if family != families[0]:  # fell back: say so, the note stays with the plan
                     fallbacks[node.name] = _fallback_message(ctx, families[0], mesh)
-                    warnings.warn(fallbacks[node.name], stacklevel=3)
+                    warnings.warn(fallbacks[node.name], stacklevel=4)
                 elif message:
-                    warnings.warn(message, stacklevel=3)
+                    warnings.warn(message, stacklevel=4)
                     notes.append(message)
-                elif not bridges and key is not None:  # a warning names its node: no reuse
+                elif key is not None:  # a warning names its node: no reuse
                     placed_alike[key] = nodes[node.name]
                 break
-            if bridges:
-                placed = nodes[node.name]
-                placed.input_steps = tuple(
-                    tuple(bridges.get(i, [])) + steps for i, steps in enumerate(placed.input_steps)
-                )
         elif node.op == "output":
             output_steps = tuple(
                 tuple(
@@ -354,8 +336,116 @@ def _planned(
                 )
                 for v in tensor_inputs(node)
             )
+
+    # A stretch of a repeated block placed like an earlier one, from the same layouts
+    # in, is copied from it whole (`_Run`): the 80 blocks of a deep model cost one.
+    order, runs = _runs(traced)
+    placed_runs: dict[tuple, tuple[int, tuple[fx.Node, ...]]] = {}
+    position = 0
+    while position < len(order):
+        run = runs.get(position)
+        if run is None:
+            place(order[position])
+            position += 1
+            continue
+        outside = tuple(order[i] for i in run.outside)
+        key = (
+            run.shape,
+            tuple((stored.get(n), needs_grad.get(n), n in stored) for n in outside),
+            tuple(
+                (
+                    fixed_number.get(id(fixed.get(n.name))),
+                    knobs.get(n.name),
+                    family_of(path, strategy),
+                )
+                for n, path in zip(order[position : run.end], run.paths)
+            ),
+        )
+        template = placed_runs.get(key)
+        if template is not None:
+            first, read = template
+            for offset, node in enumerate(order[position : run.end]):
+                alike = order[first + offset]
+                if alike in stored:
+                    stored[node], needs_grad[node] = stored[alike], needs_grad[alike]
+                if alike.name in nodes:
+                    nodes[node.name] = nodes[alike.name].renamed(node.name, run.paths[offset])
+            for node, alike in zip(outside, read):  # parameters stored on first use
+                if node not in stored and alike in stored:
+                    stored[node] = storage[node.target] = stored[alike]
+        else:
+            before = (len(notes), len(fallbacks))
+            for node in order[position : run.end]:
+                place(node)
+            if (len(notes), len(fallbacks)) == before:  # a warning names its node: no copies
+                placed_runs[key] = (position, outside)
+        position = run.end
     _localize(graph, nodes, stored, planning, mesh)
     return Plan(mesh, nodes, storage, entry_steps, output_steps, notes, fallbacks=fallbacks)
+
+
+@dataclass(frozen=True)
+class _Run:
+    """A stretch of consecutive nodes traced in one repeated block (`unit_of`), none
+    of which updates a tensor in place. Runs of equal `shape` compute the same ops
+    (`structure`) wired alike: each reads, at the same places, its own earlier nodes
+    or the nodes outside it (`outside`, positions in the graph, in order of first
+    read), so given those laid out alike, they are planned alike."""
+
+    end: int  # position after its last node
+    shape: int
+    outside: tuple[int, ...]
+    paths: tuple[str, ...]  # `module_path` of each node
+
+
+def _runs(traced: Traced) -> tuple[list[fx.Node], dict[int, _Run]]:
+    """The graph's nodes in order, and its runs by the position of their first node;
+    found once per graph."""
+    meta = traced.graph_module.meta
+    known = meta.get("autoshard_runs")
+    if known is not None and len(known[0]) == len(traced.nodes):
+        return known
+    order = list(traced.graph_module.graph.nodes)
+    position = {node: i for i, node in enumerate(order)}
+    blocks = [_block(node) for node in order]
+    shapes: dict[tuple, int] = {}
+    runs: dict[int, _Run] = {}
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and blocks[end] and blocks[end] == blocks[start]:
+            end += 1
+        if blocks[start] and not any(_mutates(n.target) for n in order[start:end]):
+            shape, outside = _wiring(order[start:end], position)
+            paths = tuple(module_path(n) for n in order[start:end])
+            runs[start] = _Run(end, shapes.setdefault(shape, len(shapes)), outside, paths)
+        start = end
+    meta["autoshard_runs"] = (order, runs)
+    return order, runs
+
+
+def _wiring(run: list[fx.Node], position: dict[fx.Node, int]) -> tuple[tuple, tuple[int, ...]]:
+    """What each node of `run` computes and where its inputs come from (its own earlier
+    nodes by offset, the nodes outside by number); and the positions of those outside."""
+    start = position[run[0]]
+    outside: dict[fx.Node, int] = {}  # a node outside → its number in this run
+
+    def wire(n: fx.Node):
+        if start <= position[n] < start + len(run):
+            return position[n] - start
+        return ("outside", outside.setdefault(n, len(outside)))
+
+    shape = tuple((structure(n), tuple(wire(i) for i in n.all_input_nodes)) for n in run)
+    return shape, tuple(position[n] for n in outside)
+
+
+def _block(node: fx.Node) -> str:
+    """The repeated block a call was traced in (a getitem: that of what it unpacks)."""
+    if node.op != "call_function":
+        return ""
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return unit_of(module_path(node))
 
 
 def _localize(graph: fx.Graph, nodes: dict[str, NodePlan], stored, planning: Mesh, mesh) -> None:
