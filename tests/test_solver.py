@@ -5,8 +5,10 @@ import dataclasses
 import itertools
 import os
 import random
+import re
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -437,6 +439,46 @@ def test_identical_blocks_are_costed_once_whatever_the_depth(monkeypatch):
             assert deep.crossing[(*twin, f, option)] is crossing
             shared += 1
     assert shared > 0
+
+
+def test_repeated_blocks_are_planned_as_if_node_by_node(monkeypatch):
+    # plan_graph copies a stretch of a repeated block from an earlier one placed from
+    # the same layouts in: the plans equal those placed node by node, for one family,
+    # per-block families, and given strategies and knobs as the solver's plan gives
+    # them, from two orders of the axes (the stream enters layers 2 and 3 in
+    # different layouts: the first from layer 1's order, the second from its own).
+    from autoshard.planning import planner
+    from autoshard.planning.planner import Knobs, plan_graph
+
+    model, inputs = load_factory(f"{ROOT}/benchmarks/scale.py:meta_model")("llama3-8b", 4, 8, 64)
+    traced, mesh = trace(model, inputs), Mesh.from_shape((2, 2, 2))
+    one, other = (
+        plan_graph(traced, mesh, "3d"),
+        plan_graph(traced, mesh, "3d", order=("c", "a", "b")),
+    )
+    late = {n for n, p in one.nodes.items() if re.search(r"layers\.[23](\.|$)", p.module)}
+    mixed = {n: (other if n in late else one).nodes[n].strategy for n in one.nodes}
+    turned = {n: Knobs(True, True) for n, p in one.nodes.items() if p.module.endswith("q_proj")}
+    asked = [
+        dict(strategy="3d"),
+        dict(strategy="3d-allreduce", order=("c", "a", "b")),
+        dict(strategy={"*layers.1.*": "replicated", "*layers.2.mlp*": "megatron", "*": "3d"}),
+        dict(fixed=mixed),
+        dict(fixed=mixed, knobs=turned),
+    ]
+    said = []
+    plans = []
+    for copies in (True, False):
+        if not copies:
+            monkeypatch.setattr(planner, "_runs", lambda t: (list(t.graph_module.graph.nodes), {}))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plans.append([plan_graph(traced, mesh, **kwargs) for kwargs in asked])
+        said.append([str(w.message) for w in caught])
+    for copied, placed in zip(*plans):
+        assert copied.nodes == placed.nodes and copied.storage == placed.storage
+        assert (copied.warnings, copied.fallbacks) == (placed.warnings, placed.fallbacks)
+    assert said[0] == said[1]
 
 
 def test_a_problem_restricted_to_one_family_is_that_family_built_alone():
