@@ -90,6 +90,7 @@ def totals(
     entering: dict[str, int] = {}  # storage → bytes: views of one tensor enter once
     shared: dict[str, int] = {}  # values kept as they are stored: once, whoever keeps them
     bucketed: dict[tuple[str, str], int] = defaultdict(int)
+    owned: dict[str, None] = {}  # the parameters whose first user is one of `names`
     for name in names:
         cost = costs[name]
         inputs = tensor_inputs(graph[name])
@@ -103,13 +104,16 @@ def totals(
         shared.update(cost.shared)
         transient = max(transient, cost.transient_bytes)
         for inp in inputs:
-            if inp.op != "get_attr" and inp.name not in members:
+            if inp.op == "get_attr":
+                if first_users.get(inp.target) == name:
+                    owned[inp.target] = None
+            elif inp.name not in members:
                 storage = storage_node(inp, plan)
                 if storage.name not in resident and storage.name not in members:
                     entering[storage.name] = stored_bytes(storage, plan)
     once = tuple((value, b) for value, b in shared.items() if value not in resident)
     saved += sum(b for _, b in once)
-    for fqn in (f for f, user in first_users.items() if user in members):
+    for fqn in owned:
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
         # Buffers and frozen parameters: the tensor alone, no gradient, no optimizer state.

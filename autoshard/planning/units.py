@@ -94,12 +94,13 @@ def kept_resident(
         # only a node that is one of its views, or reads one, can keep it
         views = views_of(traced.nodes[storage], plan)
         reads = [(value, user) for value in views for user in value.users]
-        for node in views | {user for _, user in reads}:
-            if node.name in plan.nodes and storage in costs[node.name].shared:
-                kept.add(storage)
-        if any(
+        replayed_by_another = any(
             user.name in replayed and units.get(value.name) != units[user.name]
             for value, user in reads
+        )
+        if replayed_by_another or any(  # asked in turn: costing a node takes time
+            node.name in plan.nodes and storage in costs[node.name].shared
+            for node in views | {user for _, user in reads}
         ):
             kept.add(storage)
     return frozenset(kept)
