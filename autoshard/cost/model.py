@@ -571,11 +571,9 @@ def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
 
 def _broadcast(shape: Sequence[int], out_shape: Sequence[int]) -> bool:
     """Whether a tensor of `shape` broadcasts to a larger `out_shape`."""
-    try:
-        expands = torch.broadcast_shapes(tuple(shape), tuple(out_shape)) == tuple(out_shape)
-    except RuntimeError:
+    if len(shape) > len(out_shape) or _numel(shape) >= _numel(out_shape):
         return False
-    return expands and _numel(shape) < _numel(out_shape)
+    return all(s in (1, o) for s, o in zip(reversed(shape), reversed(out_shape)))
 
 
 def node_cost(

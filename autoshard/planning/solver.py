@@ -615,7 +615,7 @@ def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
         kept - kept_before,
         high - high_before,
         _sparse_difference(after.bucketed, before.bucketed),
-        _sparse_difference(_sparse(saved_at), _sparse(saved_at_before)),
+        _sparse([b - a for b, a in zip(saved_at, saved_at_before)]),
     )
 
 
