@@ -96,9 +96,15 @@ def _segments(units: list[dict[tuple[str, str], list]]) -> list[dict[tuple[str, 
     segments: list[dict[tuple[str, str], list]] = []
     for groups in reversed(units):  # backward's order: the last unit's gradients first
         current = segments[-1] if segments else None
-        fits = current is not None and all(
-            _nbytes(current.get(key, ())) + _nbytes(served) <= BUCKET_BYTES
-            for key, served in groups.items()
+        # nothing joins a unit that fills a bucket alone, over any axis: its buckets
+        # launch once backward is past it (what the solver prices as hidden)
+        fits = (
+            current is not None
+            and all(_nbytes(served) <= BUCKET_BYTES for served in current.values())
+            and all(
+                _nbytes(current.get(key, ())) + _nbytes(served) <= BUCKET_BYTES
+                for key, served in groups.items()
+            )
         )
         if not fits:
             current = defaultdict(list)
