@@ -6,6 +6,7 @@ off the step time what runs hidden (`autoshard.planning.overlap`)."""
 
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -141,6 +142,24 @@ def test_buckets_over_different_axes_run_side_by_side():
         return 2 * link.alpha + buckets[axis].nbytes / link.beta
 
     assert plan.cost.overlapped == pytest.approx(min(seconds("b"), seconds("c")), rel=1e-12)
+
+
+def test_a_unit_that_fills_a_bucket_alone_launches_its_buckets_itself(monkeypatch):
+    # The later unit fills a bucket over a alone; the earlier one's b gradients would
+    # fit beside its own over b, but joining would place both units' buckets at the
+    # earlier unit's first reader (they share a parameter reduced over a and b), a
+    # unit late: the solver prices the full unit's buckets launched once past it.
+    monkeypatch.setattr(collectives, "BUCKET_BYTES", 100)
+
+    def served(node, nbytes):
+        return [(node, 0, SimpleNamespace(nbytes=nbytes))]
+
+    earlier = {("b", "float32"): served("norm_0", 10)}
+    later = {("a", "float32"): served("mlp_1", 150), ("b", "float32"): served("norm_1", 10)}
+    assert collectives._segments([earlier, later]) == [earlier, later]
+    small = {("a", "float32"): served("mlp_1", 50), ("b", "float32"): served("norm_1", 10)}
+    (joined,) = collectives._segments([earlier, small])  # neither fills one: together
+    assert joined["b", "float32"] == earlier["b", "float32"] + small["b", "float32"]
 
 
 def _bucket(name, axis, *serves):
