@@ -148,7 +148,7 @@ def test_a_unit_that_fills_a_bucket_alone_launches_its_buckets_itself(monkeypatc
     # The later unit fills a bucket over a alone; the earlier one's b gradients would
     # fit beside its own over b, but joining would place both units' buckets at the
     # earlier unit's first reader (they share a parameter reduced over a and b), a
-    # unit late: the solver prices the full unit's buckets launched once past it.
+    # unit late: the full unit's buckets launch once backward is past it.
     monkeypatch.setattr(collectives, "BUCKET_BYTES", 100)
 
     def served(node, nbytes):

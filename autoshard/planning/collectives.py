@@ -97,7 +97,7 @@ def _segments(units: list[dict[tuple[str, str], list]]) -> list[dict[tuple[str, 
     for groups in reversed(units):  # backward's order: the last unit's gradients first
         current = segments[-1] if segments else None
         # nothing joins a unit that fills a bucket alone, over any axis: its buckets
-        # launch once backward is past it (what the solver prices as hidden)
+        # launch once backward is past it, not a unit later (`overlap.backward_end`)
         fits = (
             current is not None
             and all(_nbytes(served) <= BUCKET_BYTES for served in current.values())

@@ -406,7 +406,7 @@ def _runs(traced: Traced) -> tuple[list[fx.Node], dict[int, _Run]]:
     if known is not None and len(known[0]) == len(traced.nodes):
         return known
     order = list(traced.graph_module.graph.nodes)
-    position = {node: i for i, node in enumerate(order)}
+    position = _positions(traced)
     blocks = [_block(node) for node in order]
     shapes: dict[tuple, int] = {}
     runs: dict[int, _Run] = {}
@@ -424,19 +424,20 @@ def _runs(traced: Traced) -> tuple[list[fx.Node], dict[int, _Run]]:
     return order, runs
 
 
-def _wiring(run: list[fx.Node], position: dict[fx.Node, int]) -> tuple[tuple, tuple[int, ...]]:
+def _wiring(run: list[fx.Node], position: dict[str, int]) -> tuple[tuple, tuple[int, ...]]:
     """What each node of `run` computes and where its inputs come from (its own earlier
-    nodes by offset, the nodes outside by number); and the positions of those outside."""
-    start = position[run[0]]
-    outside: dict[fx.Node, int] = {}  # a node outside → its number in this run
+    nodes by offset, the nodes outside by number); and the positions of those outside
+    (`position`: node name → position, `_positions`)."""
+    start = position[run[0].name]
+    outside: dict[str, int] = {}  # a node outside → its number in this run
 
     def wire(n: fx.Node):
-        if start <= position[n] < start + len(run):
-            return position[n] - start
-        return ("outside", outside.setdefault(n, len(outside)))
+        if start <= position[n.name] < start + len(run):
+            return position[n.name] - start
+        return ("outside", outside.setdefault(n.name, len(outside)))
 
     shape = tuple((structure(n), tuple(wire(i) for i in n.all_input_nodes)) for n in run)
-    return shape, tuple(position[n] for n in outside)
+    return shape, tuple(position[name] for name in outside)
 
 
 def _block(node: fx.Node) -> str:
