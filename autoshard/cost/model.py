@@ -65,7 +65,7 @@ from autoshard.strategies.pointwise import dropout_returns_input
 from autoshard.strategies.registry import itemsize as _itemsize
 from autoshard.strategies.registry import largest_operand
 from autoshard.strategies.registry import numel as _numel
-from autoshard.tracing.trace import structure, tensor_inputs
+from autoshard.tracing.trace import argument, structure, tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import Bucket, NodePlan, Plan
@@ -399,6 +399,20 @@ def bucket_latency(axis: str, mesh: Mesh, hardware: Hardware) -> float:
 
 # Ops that return a view of their input where its strides allow one, a copy elsewhere.
 _RESHAPES = (aten.reshape.default, aten.flatten.using_ints, aten.unflatten.int)
+# Conversions that return their input itself where it has the dtype and device asked
+# for (a float32 model's `hidden_states.to(torch.float32)`).
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten.to.device)
+
+
+def _casts_to_itself(value: fx.Node) -> bool:
+    if value.target not in _CASTS or argument(value, "copy"):
+        return False
+    source, val = tensor_inputs(value)[0].meta.get("val"), value.meta.get("val")
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(val, torch.Tensor)
+        and ((source.dtype, source.device) == (val.dtype, val.device))
+    )
 
 
 def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:
@@ -409,6 +423,8 @@ def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:
     if _aliases(value) or (value.target in _RESHAPES and _reshape_views(value, plan)):
         return tensor_inputs(value)[0]
     if value.target is aten.dropout.default and dropout_returns_input(value):
+        return tensor_inputs(value)[0]
+    if _casts_to_itself(value):
         return tensor_inputs(value)[0]
     return None
 
@@ -507,9 +523,11 @@ def _as_stored(value: fx.Node, nbytes: int, plan: Plan) -> dict[str, int]:
 
 def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
     """The largest of what a node holds only while it runs, forward or backward: in
-    forward the gathered copies of its activation inputs that it does not keep and its
-    result before the output collectives; in backward the gradient of its result, of
-    each activation input that needs one (at the sizes it computes on) and of each
+    forward its activation inputs that it does not keep (as read, or their gathered
+    copies), its result before the output collectives and its lowering's workspace
+    (`Lowering.workspace`); in backward the gradient of its result, of
+    each activation input that needs one (at the sizes it computes on; one the op
+    broadcasts also at the result's size, before autograd sums it down) and of each
     parameter that reaches it through a collective (before that gradient is reduced
     onto the stored shard), and any input gathered again. A parameter's own
     gradient is parameter bytes; a gathered parameter kept for backward is saved
@@ -529,8 +547,10 @@ def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
     forward = result * bool(node_plan.output_steps) + sum(
         size[i]
         for i in activations
-        if node_plan.input_steps[i] and (i not in keeps or i in strategy.regather)
+        if i not in keeps or (node_plan.input_steps[i] and i in strategy.regather)
     )
+    if strategy.lowering is not None and strategy.lowering.workspace is not None:
+        forward += strategy.lowering.workspace(node, in_shapes, out_shape)
     reduced = [i for i, steps in enumerate(node_plan.input_steps) if steps]
     backward = (
         result * node_plan.needs_grad
@@ -539,9 +559,21 @@ def _transient_bytes(node, node_plan, in_shapes, out_shape) -> int:
             for i in range(len(inputs))
             if node_plan.input_needs_grad[i] and (i in activations or i in reduced)
         )
+        + sum(
+            result
+            for i in activations
+            if node_plan.input_needs_grad[i] and _broadcast(in_shapes[i], out_shape)
+        )
         + sum(size[i] for i in strategy.regather)
     )
     return max(forward, backward)
+
+
+def _broadcast(shape: Sequence[int], out_shape: Sequence[int]) -> bool:
+    """Whether a tensor of `shape` broadcasts to a larger `out_shape`."""
+    if len(shape) > len(out_shape) or _numel(shape) >= _numel(out_shape):
+        return False
+    return all(s in (1, o) for s, o in zip(reversed(shape), reversed(out_shape)))
 
 
 def node_cost(

@@ -12,14 +12,17 @@ buckets' reductions runs while other work does (`autoshard.planning.overlap`).
 Memory follows the step unit by unit (`autoshard.planning.units`): parameters with
 their gradients and optimizer state live throughout; each unit keeps what
 it saves for backward (a recomputed unit only its inputs) from its forward
-until its own backward, so while unit u runs — forward, or backward after
-every later unit has freed its activations — the rank holds
+until its own backward, so while node k of unit u runs — forward, or backward
+after every later unit has freed its activations — the rank holds
 
-    parameters + Σ kept[v < u] + high[u]
+    parameters + Σ kept[v < u] + high[u] − saved[u, > k] + transient[k]
 
 where high[u] is u's own saved activations (for a recomputed unit, its
-inputs plus everything its replay saves again), the gradient of its inputs,
-and the largest transient buffer of one of its nodes (gathered operands,
+inputs plus everything its replay saves again) and the gradient of its
+inputs; saved[u, > k] what u's nodes after k save, which they have not saved
+yet in forward and have freed in backward before k's backward runs (a replay
+saves all of them before backward starts: the last node's term); and
+transient[k] the buffers k holds only while it runs (gathered operands,
 unreduced results, their gradients). The peak is the largest of these.
 """
 
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from autoshard.cost.hardware import Hardware
@@ -57,9 +60,14 @@ class Totals:
     saved: int
     params: int
     entry: int  # bytes of the activations that enter the set from outside
-    transient: int  # the largest transient buffer of one node
+    transients: tuple[int, ...]  # per node of the set, in order: its transient buffers
+    # per node, in order: the bytes of `saved` first kept there (a value several
+    # nodes keep, at the first); they add up to `saved`
+    saved_at: tuple[int, ...]
+    entering_at: tuple[int, ...]  # of those, the bytes of values from outside the set
     resident: int = 0  # bytes of what it makes that many units read (see `totals`)
-    kept_as_stored: tuple[tuple[str, int], ...] = ()  # in `saved`: values kept once, by name
+    # in `saved`: values kept once, by name: (name, bytes, position of the first keeper)
+    kept_as_stored: tuple[tuple[str, int, int], ...] = ()
     # bytes of parameter gradients that gradient buckets reduce, per (axis, dtype)
     bucketed: tuple[tuple[tuple[str, str], int], ...] = ()
 
@@ -86,12 +94,14 @@ def totals(
     graph = traced.nodes
     compute = forward = 0.0
     comm: dict[str, float] = defaultdict(float)
-    saved = params = transient = 0
+    saved = params = 0
+    saved_at = [0] * len(names)
+    first_kept: dict[str, int] = {}  # value kept as stored → the first node keeping it
     entering: dict[str, int] = {}  # storage → bytes: views of one tensor enter once
     shared: dict[str, int] = {}  # values kept as they are stored: once, whoever keeps them
     bucketed: dict[tuple[str, str], int] = defaultdict(int)
     owned: dict[str, None] = {}  # the parameters whose first user is one of `names`
-    for name in names:
+    for position, name in enumerate(names):
         cost = costs[name]
         inputs = tensor_inputs(graph[name])
         for i, step in plan.bucketed_steps(plan.nodes[name]):
@@ -101,8 +111,10 @@ def totals(
         for axis, seconds in [*cost.forward_comm.items(), *cost.backward_comm.items()]:
             comm[axis] += seconds
         saved += cost.saved_bytes
+        saved_at[position] += cost.saved_bytes
         shared.update(cost.shared)
-        transient = max(transient, cost.transient_bytes)
+        for value in cost.shared:
+            first_kept.setdefault(value, position)
         for inp in inputs:
             if inp.op == "get_attr":
                 if first_users.get(inp.target) == name:
@@ -111,8 +123,13 @@ def totals(
                 storage = storage_node(inp, plan)
                 if storage.name not in resident and storage.name not in members:
                     entering[storage.name] = stored_bytes(storage, plan)
-    once = tuple((value, b) for value, b in shared.items() if value not in resident)
-    saved += sum(b for _, b in once)
+    once = tuple((v, b, first_kept[v]) for v, b in shared.items() if v not in resident)
+    saved += sum(b for _, b, _ in once)
+    entering_at = [0] * len(names)
+    for value, nbytes, position in once:
+        saved_at[position] += nbytes
+        if value in entering:
+            entering_at[position] += nbytes
     for fqn in owned:
         tensor = traced.parameters[fqn]
         numel = math.prod(plan.storage[fqn].local_shape(tuple(tensor.shape), plan.mesh))
@@ -127,7 +144,9 @@ def totals(
         saved,
         params,
         sum(entering.values()),
-        transient,
+        tuple(costs[name].transient_bytes for name in names),
+        tuple(saved_at),
+        tuple(entering_at),
         made,
         once,
         tuple(sorted(bucketed.items())),
@@ -145,16 +164,30 @@ def first_users(traced: Traced, plan: Plan) -> dict[str, str]:
     return first
 
 
-def own_memory(total: Totals, recomputed: bool) -> tuple[int, int]:
-    """What a unit keeps from its forward to its backward, and what it holds of its
-    own while it runs, its transient buffers aside (see the module docstring): its
-    saved activations, and the gradient of what enters it, which grows while its
-    backward runs; a recomputed unit also holds its inputs, and replays the rest."""
+def own_memory(total: Totals, recomputed: bool) -> tuple[int, int, tuple[int, ...]]:
+    """What a unit keeps from its forward to its backward, what it holds of its own
+    while it runs, its transient buffers aside (see the module docstring), and of
+    that, per node, the saved bytes first kept there: its saved activations, and the
+    gradient of what enters it, which grows while its backward runs; a recomputed
+    unit also holds its inputs, and replays the rest (what the replay keeps of its
+    inputs is the very tensors it holds already)."""
     if recomputed:
         kept = total.entry + total.resident
-        return kept, kept + total.entry + total.saved
+        replayed = tuple(s - e for s, e in zip(total.saved_at, total.entering_at))
+        return kept, kept + total.entry + sum(replayed), replayed
     kept = total.saved + total.resident
-    return kept, kept + total.entry
+    return kept, kept + total.entry, total.saved_at
+
+
+def running_high(own: float, saved_at: Sequence[float], transients: Sequence[float]) -> float:
+    """The most a unit holds of its own while one of its nodes runs (the module
+    docstring's high[u] − saved[u, > k] + transient[k] over its nodes k): `own` from
+    `own_memory`, `saved_at` and `transients` per node, in order."""
+    after, high = 0.0, -math.inf
+    for saved, transient in zip(reversed(saved_at), reversed(transients)):
+        high = max(high, own - after + transient)
+        after += saved
+    return high
 
 
 def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 2.0) -> Cost:
@@ -179,8 +212,9 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
         total = totals(traced, plan, costs, names, optimizer, users, resident)
         recomputed = any(name in plan.regions for name in names)
         recompute += total.forward if recomputed else 0.0
-        kept, own = own_memory(total, recomputed)
-        peak = max(peak, whole.params + held + own + total.transient)
+        kept, own, saved_at = own_memory(total, recomputed)
+        high = running_high(own, saved_at, total.transients)
+        peak = max(peak, int(whole.params + held + high))
         held += kept
     hidden = overlapped(plan, costs, hardware)
     return Cost(

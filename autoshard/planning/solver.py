@@ -20,7 +20,8 @@ own layer, since no knob changes a layout. Two neighbouring units in
 different variants also pay for converting what crosses between them.
 Memory is tracked unit by unit (`autoshard.planning.estimate`): parameters P, then
 each unit keeps kept[u] from its forward to its backward, and holds high[u]
-of its own plus its largest transient buffer T[u] while it runs. Every plan
+of its own, less what its later nodes save, plus a node's transient buffers
+while that node runs. Every plan
 costed has its shared conversions and gradient buckets
 (`autoshard.planning.collectives`): a conversion several layers of a unit share
 is paid once, and knobs turned on all of them together may add what none adds
@@ -31,15 +32,23 @@ whole step. The integer program HiGHS solves:
     subject to Σ_o x[u, o] = 1                       one option per unit
                z[u, o, k] ≤ x[u, o]                  knob k only with its option
                Σ_g e[u, f, g] = y[u−1, f], Σ_f e = y[u, g]  neighbours in variants f, g
-               s[u, o, v] ≥ z[u, o, k]               a value knobs k keep as stored, once
+               s[u, o, v, p] ≥ z[u, o, k]            a value knobs k keep as stored, once
                j ≤ z[u, o, k] for each k of J,  j ≥ Σ_J z − |J| + 1   knobs J all on
                n[a]·BUCKET_BYTES ≥ Σ bucketed[a]·(x, z, j, e), n integer   calls per bucket
                P = Σ params·x + Σ params·z
-               K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units
-               T[u] ≥ transient of each node of u   under its option and knobs
-               P + K[u−1] + Σ high·(x, z, s, j) + T[u] ≤ peak ≤ budget
+               K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units (s: its last p)
+               P + K[u−1] + Σ high_k·(x, z, s, j) + transient_k·(x, z) ≤ peak ≤ budget
+                                                     for each node k of u
 
-where y[u, f] sums x over u's options of variant f. The e rows are written as
+where high_k is high less what u's nodes after k save (not saved yet in
+forward, freed in backward before k's runs), and transient_k node k's
+transient buffers under the option and knobs: exactly `estimate`'s maximum
+over the nodes, without a column for it. A node's row is left out where
+another node's is at least as large in every column (in a transformer block,
+most of them). A value knobs keep once counts from the first of them that is
+on: s[p] ≥ z for each keeper at position p or before, one column per position.
+
+Here y[u, f] sums x over u's options of variant f. The e rows are written as
 the coupling of two one-hot choices (e over every f and g, its sums over f and
 over g equal to x and y): exact, and a far tighter relaxation than the three
 rows each of the product; f and g run over classes of variants and options that
@@ -72,7 +81,14 @@ from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
 from autoshard.planning.chunking import CHUNKS, chunkings
 from autoshard.planning.collectives import share_collectives
-from autoshard.planning.estimate import Totals, estimate, first_users, own_memory, totals
+from autoshard.planning.estimate import (
+    Totals,
+    estimate,
+    first_users,
+    own_memory,
+    running_high,
+    totals,
+)
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.paused_gc import paused_gc
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan, bucket_calls
@@ -161,6 +177,9 @@ class Effect:
     # parameter-gradient bytes it puts in gradient buckets, per (axis, dtype): the
     # buckets' calls (their latency) are priced for the whole step, not per unit
     buckets: tuple[tuple[tuple[str, str], int], ...] = ()
+    # of `high`, the saved bytes first kept at each node of the unit, by its position:
+    # not held yet, or freed, while an earlier node runs (`estimate.running_high`)
+    saved_at: tuple[tuple[int, float], ...] = ()
 
     def __sub__(self, other: Effect) -> Effect:
         return Effect(
@@ -168,15 +187,22 @@ class Effect:
             self.params - other.params,
             self.kept - other.kept,
             self.high - other.high,
-            _bucket_difference(self.buckets, other.buckets),
+            _sparse_difference(self.buckets, other.buckets),
+            _sparse_difference(self.saved_at, other.saved_at),
         )
 
 
-def _bucket_difference(after, before) -> tuple[tuple[tuple[str, str], int], ...]:
+def _sparse_difference(after, before) -> tuple:
+    """(key, number) pairs `after` less `before`, zeros left out."""
     out = defaultdict(int, after)
-    for key, nbytes in before:
-        out[key] -= nbytes
+    for key, number in before:
+        out[key] -= number
     return tuple(sorted((key, b) for key, b in out.items() if b))
+
+
+def _sparse(per_position) -> tuple[tuple[int, float], ...]:
+    """(position, number) of the numbers that are not 0."""
+    return tuple((p, b) for p, b in enumerate(per_position) if b)
 
 
 @dataclass(frozen=True)
@@ -187,7 +213,9 @@ class Crossing:
     inputs from the source's layouts, and keep and hold them at other sizes."""
 
     effect: Effect
-    transient: dict[str, float]  # node → change in its transient bytes
+    # node → change in its transient bytes, the node by its position in the unit:
+    # identical blocks share one Crossing
+    transient: dict[int, float]
 
 
 @dataclass
@@ -207,9 +235,10 @@ class Problem:
     # per variant, what many units read: counted once (`autoshard.planning.units.kept_resident`)
     resident: dict[Variant, frozenset[str]] = field(default_factory=dict)
     # Per unit and option, a value its knobs keep as stored (the shard that layers
-    # regathering one input save): kept once if any of those knobs is on. Its bytes
-    # are not in the knobs' effects but here, with the knobs that keep it.
-    kept_once: dict[tuple[str, Option], dict[str, tuple[Effect, frozenset[Knob]]]] = field(
+    # regathering one input save): kept once if any of those knobs is on, from the
+    # first of them on (the position of its node in the unit). Its bytes are not in
+    # the knobs' effects but here, with the knobs that keep it.
+    kept_once: dict[tuple[str, Option], dict[str, tuple[Effect, dict[Knob, int]]]] = field(
         default_factory=dict
     )
     # Per unit and option, what knobs add together beyond the sum of what each adds
@@ -256,25 +285,31 @@ class Problem:
             effects = [self.effect[unit, base]]
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
             for effect, keepers in self.kept_once.get((unit, base), {}).values():
-                if keepers & option.knobs:
-                    effects.append(effect)
+                first = min((p for k, p in keepers.items() if k in option.knobs), default=None)
+                if first is not None:
+                    effects.append(dataclasses.replace(effect, saved_at=((first, effect.high),)))
             for effect, together in self.joint.get((unit, base), []):
                 if together <= option.knobs:
                     effects.append(effect)
             transient = dict(self.transient[unit, base])
             for knob in sorted(option.knobs, key=str):
                 if (unit, base, knob) in self.knob_transient:
-                    own = self.transient[unit, base][knob.node]
-                    transient[knob.node] += self.knob_transient[unit, base, knob] - own
+                    transient[knob.node] = self.knob_transient[unit, base, knob]
+            transients = list(transient.values())
             for source in self.sources[unit]:
                 crossing = self.crossing.get((unit, source, choice[source].variant, base))
                 if crossing is not None:
                     effects.append(crossing.effect)
-                    for node, delta in crossing.transient.items():  # 0 where none of its own
-                        transient[node] = transient.get(node, 0) + delta
+                    for position, delta in crossing.transient.items():
+                        transients[position] += delta
             time += sum(e.time for e in effects)
             params += sum(e.params for e in effects)
-            highs.append(held + sum(e.high for e in effects) + max(transient.values(), default=0))
+            saved_at = [0.0] * len(transients)
+            for effect in effects:
+                for position, nbytes in effect.saved_at:
+                    saved_at[position] += nbytes
+            own = sum(e.high for e in effects)
+            highs.append(held + running_high(own, saved_at, transients))
             held += sum(e.kept for e in effects)
             for effect in effects:
                 for key, nbytes in effect.buckets:
@@ -398,7 +433,8 @@ class _KnobCost:
     before: Totals  # the layer as its family plans it
     after: Totals  # the layer with the knob turned
     transient: float | None  # the layer's transient bytes with a REGATHER knob turned
-    kept_once: dict[str, int]  # values the knob makes the unit keep as stored, once
+    # values the knob makes the unit keep as stored, once: bytes, the first keeper's position
+    kept_once: dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -406,7 +442,6 @@ class _UnitCost:
     total: Totals
     output: float  # seconds returning the model's outputs, for the last unit
     knobs: tuple[_KnobCost, ...]
-    transients: tuple[int, ...]  # per node, knobs at their defaults
     # per conversion that layers share, each of them with REGATHER on: (their
     # positions, the unit's totals then); see `Problem.joint`
     shared_regathered: tuple[tuple[frozenset[int], Totals], ...] = ()
@@ -454,8 +489,8 @@ def _unit_cost(
             if kind == REGATHER:
                 regathering.add(name)
                 transient = alt_costs[name].transient_bytes
-            already = dict(before.kept_as_stored)
-            once = {v: b for v, b in after.kept_as_stored if v not in already}
+            already = {v for v, _, _ in before.kept_as_stored}
+            once = {v: (b, p) for v, b, p in after.kept_as_stored if v not in already}
             knobs.append(_KnobCost(position, kind, before, after, transient, once))
     position = {name: k for k, name in enumerate(names)}
     shared_regathered = []
@@ -467,7 +502,6 @@ def _unit_cost(
         before,
         sum(costs["output"].forward_comm.values()) if last else 0.0,
         tuple(knobs),
-        tuple(costs[n].transient_bytes for n in names),
         tuple(shared_regathered),
     )
 
@@ -502,12 +536,17 @@ def _add_options(
         option = Option(family, checkpoint, order=order, chunks=chunks)
         problem.options.setdefault(u, []).append(option)
         total = cost.total
-        kept, high = own_memory(total, checkpoint)
+        kept, high, saved_at = own_memory(total, checkpoint)
         recompute = total.forward if checkpoint else 0.0
         problem.effect[u, option] = Effect(
-            total.time + cost.output + recompute, total.params, kept, high, total.bucketed
+            total.time + cost.output + recompute,
+            total.params,
+            kept,
+            high,
+            total.bucketed,
+            _sparse(saved_at),
         )
-        problem.transient[u, option] = dict(zip(names, cost.transients))
+        problem.transient[u, option] = dict(zip(names, total.transients))
         problem.knobs[u, option] = {}
         # layers that share a conversion may be worth turning only all together
         together = set()
@@ -526,16 +565,14 @@ def _add_options(
             knob = Knob(names[knob_cost.position], kind)
             effect = _difference(knob_cost.before, knob_cost.after, checkpoint)
             transient = knob_cost.transient
-            worth = _worth_having(effect, transient, cost.transients[knob_cost.position])
+            worth = _worth_having(effect, transient, total.transients[knob_cost.position])
             if worth or knob in together:
                 kept_once = problem.kept_once.setdefault((u, option), {})
-                for value, nbytes in knob_cost.kept_once.items():
+                for value, (nbytes, position) in knob_cost.kept_once.items():
                     once = Effect(0.0, 0, 0 if checkpoint else nbytes, nbytes)
-                    keepers = kept_once.get(value, (once, frozenset()))[1]
-                    kept_once[value] = (once, keepers | {knob})
-                    effect = dataclasses.replace(
-                        effect, kept=effect.kept - once.kept, high=effect.high - once.high
-                    )
+                    keepers = kept_once.get(value, (once, {}))[1]
+                    kept_once[value] = (once, {**keepers, knob: position})
+                    effect = effect - dataclasses.replace(once, saved_at=((position, nbytes),))
                 problem.knobs[u, option][knob] = effect
                 if transient is not None:
                     problem.knob_transient[u, option, knob] = transient
@@ -553,7 +590,11 @@ def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost)
         if not together <= set(knobs):
             continue  # a layer's knob not worth having: never all on
         summed = [knobs[k] for k in sorted(together, key=str)]
-        summed += [once for once, keepers in kept_once.values() if keepers & together]
+        summed += [
+            dataclasses.replace(once, saved_at=((min(keepers[k] for k in on), once.high),))
+            for once, keepers in kept_once.values()
+            if (on := together & keepers.keys())
+        ]
         extra = _difference(cost.total, after, False)
         for effect in summed:
             extra = extra - effect
@@ -561,14 +602,21 @@ def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost)
 
 
 def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
-    """A knob's effect: one layer costed with it (`after`) and without (`before`)."""
-    saved = after.saved - before.saved
+    """What a unit costs more as `after` than as `before` (a knob turned, a source of
+    its inputs in another variant); replayed, the forward is paid again."""
+    kept, high, saved_at = own_memory(after, checkpoint)
+    kept_before, high_before, saved_at_before = own_memory(before, checkpoint)
     time = after.time - before.time
-    params = after.params - before.params
-    buckets = _bucket_difference(after.bucketed, before.bucketed)
-    if checkpoint:  # replayed: the forward is paid again, and the layer keeps nothing
-        return Effect(time + after.forward - before.forward, params, 0, saved, buckets)
-    return Effect(time, params, saved, saved, buckets)
+    if checkpoint:
+        time += after.forward - before.forward
+    return Effect(
+        time,
+        after.params - before.params,
+        kept - kept_before,
+        high - high_before,
+        _sparse_difference(after.bucketed, before.bucketed),
+        _sparse([b - a for b, a in zip(saved_at, saved_at_before)]),
+    )
 
 
 def _worth_having(effect: Effect, transient: float | None, transient_before: float) -> bool:
@@ -765,8 +813,8 @@ def _crossed(
         for name in members[u]
     }
     transient = {
-        name: costs[name].transient_bytes - own_costs[name].transient_bytes
-        for name in members[u]
+        position: costs[name].transient_bytes - own_costs[name].transient_bytes
+        for position, name in enumerate(members[u])
         if costs[name].transient_bytes != own_costs[name].transient_bytes
     }
     crossed = totals(traced, context, costs, members[u], optimizer, users, resident)
@@ -783,19 +831,7 @@ def _from(inp, v: str, members, users, splits_inputs: bool) -> bool:
 
 
 def _crossing(crossed: Totals, alone: Totals, transient, checkpoint: bool) -> Crossing:
-    kept, high = own_memory(crossed, checkpoint)
-    kept_alone, high_alone = own_memory(alone, checkpoint)
-    time = crossed.time - alone.time
-    if checkpoint:  # the replay converts again
-        time += crossed.forward - alone.forward
-    effect = Effect(
-        time,
-        crossed.params - alone.params,
-        kept - kept_alone,
-        high - high_alone,
-        _bucket_difference(crossed.bucketed, alone.bucketed),
-    )
-    return Crossing(effect, transient)
+    return Crossing(_difference(alone, crossed, checkpoint), transient)
 
 
 GAP = 5e-3
@@ -923,8 +959,9 @@ def integer_program(
             column("x", u, option)
             for knob in problem.knobs[u, option]:
                 column("z", u, option, knob)
-            for value in problem.kept_once.get((u, option), {}):
-                column("s", u, option, value)
+            for value, (_, keepers) in problem.kept_once.get((u, option), {}).items():
+                for position in sorted(set(keepers.values())):
+                    column("s", u, option, value, position)
     for key in problem.bucket_latency:
         column("n", key)  # calls of the gradient buckets over that axis, of that dtype
     n_integer = len(columns)
@@ -953,7 +990,6 @@ def integer_program(
     n_unit = len(columns)  # binaries, and the continuous columns in [0, 1]
     for u in problem.units:
         column("K", u)
-        column("T", u)
     params, peak = column("P"), column("peak")
     n = len(columns)
     cost = np.zeros(n)
@@ -973,20 +1009,20 @@ def integer_program(
                 c = crossing.get((unit, source, f[0], o[0]))
                 if c is not None:
                     crossed[unit][columns["c", unit, source, f, o]] = c
-    knobbed: dict[str, set[str]] = defaultdict(set)  # per unit, the nodes knobs change
-    for unit, _, knob in problem.knob_transient:
-        knobbed[unit].add(knob.node)
 
     def unit_effects(u: str) -> list[tuple[int, Effect]]:
-        """(column, effect) of u's options, knobs, values kept once, joint knobs and
-        crossings."""
+        """(column, effect) of u's options, knobs, values kept once (each in the
+        column of its last keeper, which any of its keepers turns on; what it adds to
+        the peak rows, from its first keeper that is on, is `_high_terms`'), joint
+        knobs and crossings."""
         out = []
         for option in problem.options[u]:
             out.append((columns["x", u, option], problem.effect[u, option]))
             for knob, effect in problem.knobs[u, option].items():
                 out.append((columns["z", u, option, knob], effect))
-            for value, (effect, _) in problem.kept_once.get((u, option), {}).items():
-                out.append((columns["s", u, option, value], effect))
+            for value, (effect, keepers) in problem.kept_once.get((u, option), {}).items():
+                last = columns["s", u, option, value, max(keepers.values())]
+                out.append((last, dataclasses.replace(effect, high=0.0)))
             for k, (effect, _) in enumerate(problem.joint.get((u, option), [])):
                 out.append((columns["j", u, option, k], effect))
         out += [(c, crossing.effect) for c, crossing in crossed[u].items()]
@@ -995,15 +1031,15 @@ def integer_program(
     # per unit and Effect field, Σ field·column over `unit_effects` as {column: coefficient}
     choice_terms: dict[str, dict[str, dict[int, float]]] = {}
     bucketed: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    effects = {u: unit_effects(u) for u in problem.units}
     for u in problem.units:
         terms = choice_terms[u] = {
-            field: defaultdict(float) for field in ("time", "params", "kept", "high")
+            field: defaultdict(float) for field in ("time", "params", "kept")
         }
-        for c, effect in unit_effects(u):
+        for c, effect in effects[u]:
             terms["time"][c] += effect.time
             terms["params"][c] += effect.params
             terms["kept"][c] += effect.kept
-            terms["high"][c] += effect.high
             for key, nbytes in effect.buckets:
                 bucketed[key][c] += nbytes / _KIB
         for i, value in terms["time"].items():
@@ -1012,11 +1048,14 @@ def integer_program(
         for option in problem.options[u]:
             for knob in problem.knobs[u, option]:
                 add({columns["z", u, option, knob]: 1, columns["x", u, option]: -1}, -np.inf, 0)
-            # s ≥ z for each knob that keeps the value: kept once, if any of them is on
+            # s[p] ≥ z for each knob that keeps the value at position p or before: the
+            # value is kept once, if any of them is on, from the first on
             for value, (_, keepers) in problem.kept_once.get((u, option), {}).items():
-                once = columns["s", u, option, value]
-                for knob in sorted(keepers, key=str):
-                    add({columns["z", u, option, knob]: 1, once: -1}, -np.inf, 0)
+                for position in sorted(set(keepers.values())):
+                    once = columns["s", u, option, value, position]
+                    for knob in sorted(keepers, key=str):
+                        if keepers[knob] <= position:
+                            add({columns["z", u, option, knob]: 1, once: -1}, -np.inf, 0)
             # j = the product of its knobs' z: j ≤ each, j ≥ their sum − (count − 1)
             for k, (_, together) in enumerate(problem.joint.get((u, option), [])):
                 j = columns["j", u, option, k]
@@ -1043,7 +1082,7 @@ def integer_program(
                 if option.variant in f:
                     terms[columns["x", source, option]] = -1.0
             add(terms, 0, 0)
-    # P = parameters; K[u] = K[u−1] + kept[u]; T[u] ≥ each node's transient
+    # P = parameters; K[u] = K[u−1] + kept[u]; P + K[u−1] + high[u] at node k ≤ peak
     total_params: dict[int, float] = {params: -1.0}
     for u in problem.units:
         total_params.update({i: v / _MIB for i, v in choice_terms[u]["params"].items()})
@@ -1055,15 +1094,11 @@ def integer_program(
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, 0, 0)
-        for terms in _transient_terms(problem, crossed[u], knobbed[u], u, columns).values():
-            entries = {i: -v / _MIB for i, v in terms.items()}
-            entries[columns["T", u]] = 1.0
-            add(entries, 0, np.inf)
-        entries = {params: 1.0, columns["T", u]: 1.0, peak: -1.0}
-        entries.update({i: v / _MIB for i, v in choice_terms[u]["high"].items()})
-        if previous is not None:
-            entries[columns["K", previous]] = 1.0
-        add(entries, -np.inf, 0)
+        for terms in _high_terms(problem, effects[u], crossed[u], u, columns):
+            entries = {params: 1.0, peak: -1.0, **terms}
+            if previous is not None:
+                entries[columns["K", previous]] = 1.0
+            add(entries, -np.inf, 0)
         previous = u
     integrality = np.zeros(n)
     integrality[:n_integer] = 1
@@ -1087,28 +1122,58 @@ def integer_program(
     )
 
 
-def _transient_terms(
-    problem: Problem, crossed: dict[int, Crossing], knobbed: set[str], u: str, columns
-) -> dict[str, dict[int, float]]:
-    """Per node of `u` that a knob (`knobbed`) or a crossing of u (`crossed`) changes
-    (and one more for all the others): its transient bytes as {column: coefficient}
-    over u's options, knobs and crossings."""
-    knobbed = sorted(knobbed.union(*(c.transient for c in crossed.values())))
-    out: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+def _high_terms(
+    problem: Problem,
+    effects: list[tuple[int, Effect]],
+    crossed: dict[int, Crossing],
+    u: str,
+    columns,
+) -> list[dict[int, float]]:
+    """Unit `u`'s high at each of its nodes (`running_high`) as {column: MiB} over
+    its options, knobs, values kept once, joint knobs and crossings (`effects`,
+    from `unit_effects`): what the unit holds while that node runs, its transient
+    buffers included. Rows no choice can make the largest are left out (`_undominated`)."""
+    names = list(problem.transient[u, problem.options[u][0]])
+    n = len(names)
+    by_column: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(n))  # one row per node
+    for column, effect in effects:
+        high = by_column[column]
+        high += effect.high
+        for position, nbytes in effect.saved_at:  # not yet saved, or freed, before it
+            high[:position] -= nbytes
     for option in problem.options[u]:
         transient = problem.transient[u, option]
-        rest = max((b for n, b in transient.items() if n not in knobbed), default=0)
-        out[""][columns["x", u, option]] += rest
-        for node in knobbed:
-            out[node][columns["x", u, option]] += transient.get(node, 0)
+        by_column[columns["x", u, option]] += np.fromiter(transient.values(), float, n)
         for knob in problem.knobs[u, option]:
             after = problem.knob_transient.get((u, option, knob))
             if after is not None:
-                out[knob.node][columns["z", u, option, knob]] += after - transient[knob.node]
+                k = names.index(knob.node)
+                by_column[columns["z", u, option, knob]][k] += after - transient[knob.node]
+        for value, (effect, keepers) in problem.kept_once.get((u, option), {}).items():
+            positions = sorted(set(keepers.values()))
+            for start, end in zip(positions, [*positions[1:], n]):
+                # kept from the first keeper that is on: s at the last keeper so far
+                by_column[columns["s", u, option, value, start]][start:end] += effect.high
     for column, crossing in crossed.items():
-        for node, delta in crossing.transient.items():
-            out[node][column] += delta
+        for position, delta in crossing.transient.items():
+            by_column[column][position] += delta
+    keys = np.array(sorted(by_column))
+    matrix = np.stack([by_column[key] for key in keys.tolist()], axis=1)
+    out = []
+    for row in matrix[_undominated(matrix)]:
+        nonzero = np.flatnonzero(row)
+        out.append(dict(zip(keys[nonzero].tolist(), (row[nonzero] / _MIB).tolist())))
     return out
+
+
+def _undominated(matrix: np.ndarray) -> list[int]:
+    """The rows of `matrix` but those another row is at least as large as in every
+    column (of equal rows, the first is kept): over columns in [0, 1], never the
+    only largest."""
+    covers = (matrix[:, None, :] >= matrix[None, :, :]).all(axis=2)  # [i, j]: row i ≥ row j
+    equal = covers & covers.T
+    strictly = covers & ~equal
+    return [j for j in range(len(matrix)) if not strictly[:, j].any() and not equal[:j, j].any()]
 
 
 def _crossing_classes(

@@ -72,6 +72,9 @@ class Saved:
 SavedRule = Callable[
     [fx.Node, Sequence[Sequence[int]], Sequence[int], tuple[bool, ...], "int | None"], Saved
 ]
+# Bytes a lowering's forward holds besides its inputs, what it keeps and its result,
+# from the node and its local input and output shapes.
+WorkspaceRule = Callable[[fx.Node, Sequence[Sequence[int]], Sequence[int]], int]
 
 
 @dataclass(frozen=True)
@@ -81,11 +84,13 @@ class Lowering:
     `rewrite(node, placed, mesh)` to turn the node into the local computation (an
     `autoshard.runtime.ops` kernel, or the op with local arguments), and the cost model
     reads `saved` where that computation keeps other tensors than the ATen op
-    (None: the same)."""
+    (None: the same), and `workspace`, the temporaries its forward holds at once
+    with them (None: none)."""
 
     name: str
     rewrite: Callable[[fx.Node, NodePlan, Mesh], None]
     saved: SavedRule | None = None
+    workspace: WorkspaceRule | None = None
 
     def __repr__(self) -> str:
         return self.name

@@ -57,7 +57,17 @@ def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize)
     return Saved(extra_bytes=logits * item + rows * (8 + 2) + count)
 
 
-CROSS_ENTROPY = Lowering("cross_entropy", _vocab_parallel, saved=_vocab_parallel_saved)
+def _vocab_parallel_workspace(node, in_shapes, out_shape) -> int:
+    """The shifted logits, alive with the logits and the softmax it keeps."""
+    return numel(in_shapes[0]) * itemsize(tensor_inputs(node)[0])
+
+
+CROSS_ENTROPY = Lowering(
+    "cross_entropy",
+    _vocab_parallel,
+    saved=_vocab_parallel_saved,
+    workspace=_vocab_parallel_workspace,
+)
 
 
 @register(
