@@ -415,16 +415,27 @@ def _casts_to_itself(value: fx.Node) -> bool:
     )
 
 
+def views_input(value: fx.Node) -> bool:
+    """Whether `value` is its first input's storage under any plan: a view op, or a
+    cast to the dtype and device the input has already."""
+    return _aliases(value) or _casts_to_itself(value)
+
+
+def may_view(value: fx.Node) -> bool:
+    """Whether some plan may make `value` a view of its input (`storage_node`)."""
+    return value.target in (operator.getitem, aten.dropout.default, *_RESHAPES) or views_input(
+        value
+    )
+
+
 def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:
     """The node whose storage `value` views, or None: a view's input, or for one
     output of a split (a getitem) the split, whose outputs all view its input."""
     if value.target is operator.getitem:
         return value.args[0] if _aliases(value.args[0]) else None
-    if _aliases(value) or (value.target in _RESHAPES and _reshape_views(value, plan)):
+    if views_input(value) or (value.target in _RESHAPES and _reshape_views(value, plan)):
         return tensor_inputs(value)[0]
     if value.target is aten.dropout.default and dropout_returns_input(value):
-        return tensor_inputs(value)[0]
-    if _casts_to_itself(value):
         return tensor_inputs(value)[0]
     return None
 
@@ -467,9 +478,15 @@ def storage_node(value: fx.Node, plan: Plan) -> fx.Node:
     that take no collective (a view exported from the serial model is a view of the
     local tensor too, since that tensor came out of the same op on a shard).
     `views_of` walks the same steps the other way."""
-    while (source := _shares_storage_of(value, plan)) is not None:
-        value = source
-    return value
+    return storage_chain(value, plan)[-1]
+
+
+def storage_chain(value: fx.Node, plan: Plan) -> list[fx.Node]:
+    """`value`, then each node it views in turn, ending at its `storage_node`."""
+    chain = [value]
+    while (source := _shares_storage_of(chain[-1], plan)) is not None:
+        chain.append(source)
+    return chain
 
 
 def _shares_storage_of(value: fx.Node, plan: Plan) -> fx.Node | None:

@@ -37,16 +37,21 @@ whole step. The integer program HiGHS solves:
                n[a]·BUCKET_BYTES ≥ Σ bucketed[a]·(x, z, j, e), n integer   calls per bucket
                P = Σ params·x + Σ params·z
                K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units (s: its last p)
-               P + K[u−1] + Σ high_k·(x, z, s, j) + transient_k·(x, z) ≤ peak ≤ budget
+               H[u] = Σ high·(x, z, j, e)            what u holds of its own
+               A[u, k] = A[u, k'] + Σ saved_(k, k']·(x, z, j, e)   saved after node k
+               P + K[u−1] + H[u] − A[u, k] + rest_k·(x, z, s, e) ≤ peak ≤ budget
                                                      for each node k of u
 
-where high_k is high less what u's nodes after k save (not saved yet in
-forward, freed in backward before k's runs), and transient_k node k's
-transient buffers under the option and knobs: exactly `estimate`'s maximum
-over the nodes, without a column for it. A node's row is left out where
-another node's is at least as large in every column (in a transformer block,
-most of them). A value knobs keep once counts from the first of them that is
-on: s[p] ≥ z for each keeper at position p or before, one column per position.
+where A[u, k] is what u's nodes after k save (not saved yet in forward, freed
+in backward before k's runs; k' the next node with a row), and rest_k node
+k's transient buffers under the option, knobs and crossings, and what it holds
+of values kept once: exactly `estimate`'s maximum over the nodes, without a
+column for it. A node's row is left out where another node's is at least as
+large in every column (in a transformer block, most of them). Written so, most
+columns are in H's row and one A row only, not in every node's (HiGHS solves
+it as fast as one row per unit). A value knobs keep once counts from the first
+of them that is on: s[p] ≥ z for each keeper at position p or before, one
+column per position.
 
 Here y[u, f] sums x over u's options of variant f. The e rows are written as
 the coupling of two one-hot choices (e over every f and g, its sums over f and
@@ -73,9 +78,17 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
+from torch import fx
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import NodeCost, NodeCosts, bucket_latency, node_cost
+from autoshard.cost.model import (
+    NodeCost,
+    NodeCosts,
+    bucket_latency,
+    may_view,
+    node_cost,
+    storage_chain,
+)
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
@@ -100,7 +113,7 @@ from autoshard.planning.planner import (
     plan_graph,
     replanned,
 )
-from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
+from autoshard.planning.units import EPILOGUE, in_block, kept_resident, units_of
 from autoshard.strategies import NAMED
 from autoshard.tracing.trace import Traced, tensor_inputs
 
@@ -357,7 +370,7 @@ def build_problem(
     # recomputed unit would keep it again with its inputs, once per unit (LLaMA-3 70B's
     # 80 layers: 1.3 GiB). Where no unit that reads it is recomputed, the price is
     # that value's bytes above the plan's estimate.
-    block_parts = [name for name, u in unit.items() if u not in (PROLOGUE, EPILOGUE)]
+    block_parts = [name for name, u in unit.items() if in_block(u)]
     resident = {
         v: kept_resident(traced, plan, unit, all_costs[v], block_parts) for v, plan in plans.items()
     }
@@ -528,7 +541,7 @@ def _add_options(
     """Unit `u`'s options in `family` and `order`, with or without recomputation (block
     parts only), its loss run in pieces as `chunked` says, and the knobs worth having
     under each."""
-    block = u not in (PROLOGUE, EPILOGUE)
+    block = in_block(u)
     chunks = chunked.chunks if chunked is not None else 1
     if chunked is not None:
         problem.chunked[u, (family, order), chunks] = chunked
@@ -695,7 +708,9 @@ def _add_crossings(
     Identical blocks wired alike are costed once."""
     users = first_users(traced, next(iter(problem.plans.values())))
     first_unit = problem.units[0]
-    wiring = {u: _wiring(traced, problem, members, u, users) for u in problem.units}
+    wiring, through = {}, {}
+    for u in problem.units:
+        wiring[u], through[u] = _wiring(traced, problem, members, u, users)
     problem.sources = {u: tuple(wiring[u]) for u in problem.units}
     wire_number: dict[tuple, int] = {}  # a number per wiring: keys hash fast
     known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
@@ -704,6 +719,7 @@ def _add_crossings(
     # steps (`NodeCosts`): the plans they cost are kept alive in `alive`
     alike: dict = {}
     alive: list[Plan] = []
+    alone: dict[tuple, Totals] = {}  # per unit, variant and loss pieces: its own totals
     for u in problem.units:
         wired_from = {v: wire_number.setdefault(w, len(wire_number)) for v, w in wiring[u].items()}
         for g_option in problem.options[u]:
@@ -722,8 +738,21 @@ def _add_crossings(
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    key = (f, g, signatures[g, u], wired, signatures[f, v], chunked)
+                    # the units holding the views u keeps of v's storage, as g places them
+                    between = {problem.unit[name] for name in through[u].get(v, ())}
+                    viewing = tuple(signatures[g, w] for w in sorted(between))
+                    key = (f, g, signatures[g, u], wired, signatures[f, v], viewing, chunked)
                     if key not in known:
+                        if (u, g, chunked) not in alone:
+                            alone[u, g, chunked] = totals(
+                                traced,
+                                own_plan,
+                                own_costs,
+                                members[u],
+                                optimizer,
+                                users,
+                                problem.resident[g],
+                            )
                         known[key] = _crossed(
                             traced,
                             own_plan,
@@ -731,12 +760,14 @@ def _add_crossings(
                             members,
                             u,
                             v,
+                            through[u].get(v, set()),
                             v == first_unit,
                             users,
                             own_costs,
+                            alone[u, g, chunked],
                             hardware,
                             optimizer,
-                            problem.resident[g],
+                            (problem.resident[g], problem.resident[f]),
                             problem.unit,
                             alike,
                             alive,
@@ -749,25 +780,47 @@ def _add_crossings(
                     problem.crossing[u, v, f, g_option] = made[once]
 
 
-def _wiring(traced, problem: Problem, members, u: str, users) -> dict[str, tuple]:
+def _wiring(traced, problem: Problem, members, u: str, users) -> tuple[dict, dict]:
     """Unit `u`'s sources, each with how u's nodes read from it (positions, not names,
-    so that identical blocks compare equal)."""
-    out: dict[str, list] = defaultdict(list)
+    so that identical blocks compare equal), and per source the nodes of other units
+    through which u keeps a view of the source's storage (a no-op cast in a block of
+    its own, under some variant's plan): what u keeps depends on how they are placed."""
+    out: dict[str, dict] = defaultdict(dict)
+    through: dict[str, set[str]] = defaultdict(set)
     first_unit = problem.units[0]
+
+    def made_at(value: fx.Node) -> tuple[str, int | str] | None:
+        """The unit that makes an activation and where in it (a model input: by name)."""
+        if value.op == "placeholder":
+            return first_unit, value.name
+        if value.target is operator.getitem:  # an output of a node with several
+            value = value.args[0]
+        unit = problem.unit.get(value.name)
+        return None if unit is None else (unit, members[unit].index(value.name))
+
     for position, name in enumerate(members[u]):
         for i, inp in enumerate(tensor_inputs(traced.nodes[name])):
             if inp.op == "get_attr":
                 source = problem.unit[users[inp.target]]
                 where = members[source].index(users[inp.target])
-            elif inp.op == "placeholder":
-                source, where = first_unit, inp.name
-            else:  # an output of a node with several is read through a getitem
-                origin = inp.args[0] if inp.target is operator.getitem else inp
-                source = problem.unit[origin.name]
-                where = members[source].index(origin.name)
+            else:
+                source, where = made_at(inp)
             if source != u:
-                out[source].append((position, i, inp.op, where))
-    return {source: tuple(wires) for source, wires in out.items()}
+                out[source][position, i, inp.op, where] = None
+            # a view made outside u may view another unit's storage (one made in u
+            # reads from outside through a node of u: its input is walked there)
+            if inp.op != "call_function" or source == u or not may_view(inp):
+                continue
+            for plan in problem.plans.values():
+                chain = storage_chain(inp, plan)
+                for reader, viewed in zip(chain, chain[1:]):
+                    made = made_at(viewed)
+                    if made is None or made[0] in (u, made_at(reader)[0]):
+                        continue
+                    out[made[0]][position, i, "view", made[1]] = None
+                    if problem.unit.get(reader.name, u) != u:
+                        through[made[0]].add(reader.name)
+    return {source: tuple(wires) for source, wires in out.items()}, through
 
 
 def _crossed(
@@ -777,19 +830,27 @@ def _crossed(
     members,
     u,
     v,
+    viewing: set[str],
     splits_inputs,
     users,
     own_costs,
+    alone: Totals,
     hardware,
     optimizer,
-    resident,
+    resident: tuple[frozenset[str], frozenset[str]],
     unit_of,
     alike: dict,
     alive: list[Plan],
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
-    plans it, and its own totals; None where nothing changes. `alike`: `node_cost`'s
-    cache, with `alive` the plans it has costed."""
+    plans it, and its own totals (`alone`); None where nothing changes. `viewing`: nodes of other
+    units through which u keeps views of v's storage, placed again too, so that each
+    is a view or a converted copy as the plan of that choice would make it.
+    `resident`: what many units read and is counted once (`kept_resident`), in
+    `own`'s plan and in `source`'s; of what v makes, only what both count once is
+    (the readers may keep it in one and not in the other): never less than the
+    plan of that choice holds. `alike`: `node_cost`'s cache, with `alive` the plans
+    it has costed."""
     nodes = dict(own.nodes)
     nodes.update({name: source.nodes[name] for name in members[v]})
     storage = dict(own.storage)
@@ -800,13 +861,13 @@ def _crossed(
         storage.update({name: source.storage[name] for name in source.entry_steps})
         entry_steps = source.entry_steps
     context = dataclasses.replace(own, nodes=nodes, storage=storage, entry_steps=entry_steps)
-    for name in members[u]:
+    for name in [*members[u], *sorted(viewing)]:
         reads = tensor_inputs(traced.nodes[name])
         if any(_from(inp, v, members, users, splits_inputs) for inp in reads):
             context = replanned(traced, context, name, Knobs())
-    if all(context.nodes[name] == own.nodes[name] for name in members[u]):
-        return None
-    context = share_collectives(traced, context, unit_of, members[u])
+    if any(context.nodes[name] != own.nodes[name] for name in [*members[u], *viewing]):
+        context = share_collectives(traced, context, unit_of, members[u])
+    # else u is placed alike, but what it reads of v may be stored at other sizes
     alive.append(context)
     costs = {
         name: node_cost(traced.nodes[name], context.nodes[name], context, hardware, alike=alike)
@@ -817,9 +878,10 @@ def _crossed(
         for position, name in enumerate(members[u])
         if costs[name].transient_bytes != own_costs[name].transient_bytes
     }
-    crossed = totals(traced, context, costs, members[u], optimizer, users, resident)
-    alone = totals(traced, own, own_costs, members[u], optimizer, users, resident)
-    return crossed, alone, transient
+    own_resident, source_resident = resident
+    both = own_resident - {s for s in own_resident - source_resident if unit_of[s] == v}
+    crossed = totals(traced, context, costs, members[u], optimizer, users, both)
+    return None if crossed == alone and not transient else (crossed, alone, transient)
 
 
 def _from(inp, v: str, members, users, splits_inputs: bool) -> bool:
@@ -988,20 +1050,6 @@ def integer_program(
             for k, _ in enumerate(problem.joint.get((u, option), [])):
                 column("j", u, option, k)
     n_unit = len(columns)  # binaries, and the continuous columns in [0, 1]
-    for u in problem.units:
-        column("K", u)
-    params, peak = column("P"), column("peak")
-    n = len(columns)
-    cost = np.zeros(n)
-    rows, cols, values, lower, upper = [], [], [], [], []
-
-    def add(entries: dict[int, float], lo: float, hi: float) -> None:
-        rows.extend([len(lower)] * len(entries))
-        cols.extend(entries)
-        values.extend(entries.values())
-        lower.append(lo)
-        upper.append(hi)
-
     crossed: dict[str, dict[int, Crossing]] = defaultdict(dict)  # per unit, column → crossing
     for (unit, source), (variant_classes, option_classes) in classes.items():
         for f in variant_classes:
@@ -1028,10 +1076,28 @@ def integer_program(
         out += [(c, crossing.effect) for c, crossing in crossed[u].items()]
         return out
 
+    effects = {u: unit_effects(u) for u in problem.units}
+    highs = {u: _high_terms(problem, effects[u], crossed[u], u, columns) for u in problem.units}
+    for u in problem.units:
+        column("K", u)
+        column("H", u)  # u's high[u], the part every node's peak row has
+        for i in range(len(highs[u].rows)):
+            column("A", u, i)  # what u's nodes after its i-th peak row's node save
+    params, peak = column("P"), column("peak")
+    n = len(columns)
+    cost = np.zeros(n)
+    rows, cols, values, lower, upper = [], [], [], [], []
+
+    def add(entries: dict[int, float], lo: float, hi: float) -> None:
+        rows.extend([len(lower)] * len(entries))
+        cols.extend(entries)
+        values.extend(entries.values())
+        lower.append(lo)
+        upper.append(hi)
+
     # per unit and Effect field, Σ field·column over `unit_effects` as {column: coefficient}
     choice_terms: dict[str, dict[str, dict[int, float]]] = {}
     bucketed: dict[tuple[str, str], dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    effects = {u: unit_effects(u) for u in problem.units}
     for u in problem.units:
         terms = choice_terms[u] = {
             field: defaultdict(float) for field in ("time", "params", "kept")
@@ -1094,8 +1160,16 @@ def integer_program(
         if previous is not None:
             entries[columns["K", previous]] = 1.0
         add(entries, 0, 0)
-        for terms in _high_terms(problem, effects[u], crossed[u], u, columns):
-            entries = {params: 1.0, peak: -1.0, **terms}
+        high = highs[u]
+        add({**{i: -v for i, v in high.own.items()}, columns["H", u]: 1.0}, 0, 0)
+        for i, (terms, later) in enumerate(zip(high.rows, high.saved_later)):
+            # A[i] = A[i + 1] + what the nodes from this row's to the next one's save
+            entries = {columns["A", u, i]: 1.0, **{c: -v for c, v in later.items()}}
+            if i + 1 < len(high.rows):
+                entries[columns["A", u, i + 1]] = -1.0
+            add(entries, 0, 0)
+            entries = {params: 1.0, peak: -1.0, columns["H", u]: 1.0, **terms}
+            entries[columns["A", u, i]] = -1.0
             if previous is not None:
                 entries[columns["K", previous]] = 1.0
             add(entries, -np.inf, 0)
@@ -1106,7 +1180,9 @@ def integer_program(
     upper_bounds[:n_unit] = 1
     upper_bounds[[columns["n", key] for key in problem.bucket_latency]] = np.inf
     lower_bounds = np.zeros(n)
-    lower_bounds[[columns["K", u] for u in problem.units] + [params]] = -np.inf  # knobs subtract
+    # knobs and crossings subtract
+    free = [i for key, i in columns.items() if key[0] in ("K", "H", "A")]
+    lower_bounds[free + [params]] = -np.inf
     if budget is not None:
         upper_bounds[peak] = budget / _MIB
     if minimize_memory:
@@ -1122,25 +1198,41 @@ def integer_program(
     )
 
 
+@dataclass
+class _High:
+    """A unit's peak rows (`_high_terms`), as {column: MiB}: `own`, what every row has
+    (high[u]); per row kept, in node order, its node's transients and what it holds
+    of values kept once (`rows`), and what the nodes after it save up to the next
+    row's node (`saved_later`; for the last row, all after it)."""
+
+    own: dict[int, float]
+    rows: list[dict[int, float]]
+    saved_later: list[dict[int, float]]
+
+
 def _high_terms(
     problem: Problem,
     effects: list[tuple[int, Effect]],
     crossed: dict[int, Crossing],
     u: str,
     columns,
-) -> list[dict[int, float]]:
-    """Unit `u`'s high at each of its nodes (`running_high`) as {column: MiB} over
-    its options, knobs, values kept once, joint knobs and crossings (`effects`,
-    from `unit_effects`): what the unit holds while that node runs, its transient
-    buffers included. Rows no choice can make the largest are left out (`_undominated`)."""
+) -> _High:
+    """Unit `u`'s high at each of its nodes (`running_high`) over its options, knobs,
+    values kept once, joint knobs and crossings (`effects`, from `unit_effects`):
+    what the unit holds while that node runs, its transient buffers included. Split
+    so that each column is in few rows: most, crossings in particular, are only in
+    `own`, and what a node saves only in the `saved_later` of the row before it.
+    Rows no choice can make the largest are left out (`_undominated`)."""
     names = list(problem.transient[u, problem.options[u][0]])
     n = len(names)
-    by_column: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(n))  # one row per node
+    own: dict[int, float] = defaultdict(float)
+    saved: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(n))  # bytes first kept at a node
+    by_column: dict[int, np.ndarray] = defaultdict(lambda: np.zeros(n))  # the rest, per node
     for column, effect in effects:
-        high = by_column[column]
-        high += effect.high
+        if effect.high:
+            own[column] += effect.high / _MIB
         for position, nbytes in effect.saved_at:  # not yet saved, or freed, before it
-            high[:position] -= nbytes
+            saved[column][position] += nbytes
     for option in problem.options[u]:
         transient = problem.transient[u, option]
         by_column[columns["x", u, option]] += np.fromiter(transient.values(), float, n)
@@ -1157,13 +1249,24 @@ def _high_terms(
     for column, crossing in crossed.items():
         for position, delta in crossing.transient.items():
             by_column[column][position] += delta
-    keys = np.array(sorted(by_column))
-    matrix = np.stack([by_column[key] for key in keys.tolist()], axis=1)
-    out = []
-    for row in matrix[_undominated(matrix)]:
+    keys = np.array(sorted(by_column.keys() | saved.keys()))
+    zeros = np.zeros(n)
+    rest = np.stack([by_column.get(c, zeros) for c in keys.tolist()], axis=1)  # node × column
+    first_kept = np.stack([saved.get(c, zeros) for c in keys.tolist()], axis=1)
+    before = np.vstack([np.zeros((1, len(keys))), first_kept.cumsum(axis=0)])  # Σ p < k
+    after = before[-1] - before[1:]  # what nodes after k save
+    kept = _undominated(rest - after)
+    rows, saved_later = [], []
+
+    def terms(row: np.ndarray) -> dict[int, float]:
         nonzero = np.flatnonzero(row)
-        out.append(dict(zip(keys[nonzero].tolist(), (row[nonzero] / _MIB).tolist())))
-    return out
+        return dict(zip(keys[nonzero].tolist(), (row[nonzero] / _MIB).tolist()))
+
+    for i, k in enumerate(kept):
+        stop = kept[i + 1] + 1 if i + 1 < len(kept) else n
+        rows.append(terms(rest[k]))
+        saved_later.append(terms(before[stop] - before[k + 1]))
+    return _High(dict(own), rows, saved_later)
 
 
 def _undominated(matrix: np.ndarray) -> list[int]:

@@ -21,7 +21,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from autoshard.cost.model import storage_of, views_of
+from autoshard.cost.model import storage_of, views_input, views_of
 from autoshard.planning.plan import Plan
 from autoshard.tracing.trace import Traced
 
@@ -39,21 +39,31 @@ def unit_of(path: str) -> str:
 PROLOGUE, EPILOGUE = "<prologue>", "<epilogue>"
 
 
+def in_block(unit: str) -> bool:
+    """Whether a unit of `units_of` is a part of a repeated block."""
+    return not unit.startswith("<")
+
+
 def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
-    """Node name → its unit: a part of a repeated block, or the prologue (before the
-    first block) or epilogue (after) for the rest of the model.
+    """Node name → its unit: a part of a repeated block, or for the rest of the model
+    the prologue (before the first block), the epilogue (after the last) or what
+    runs between two stacks of blocks (`<after encoder.block.5>`, an encoder's
+    final norm): it runs, and keeps what it keeps, between them.
 
     A block is cut wherever one activation carries everything forward (after a
     transformer block's attention residual, say): its parts are `blocks.3#0`,
     `blocks.3#1`, each a unit of its own."""
-    out, seen_block = {}, False
+    out, last_block = {}, ""
     blocks: dict[str, list[str]] = defaultdict(list)
     for node in plan.nodes.values():
         block = unit_of(node.module)
-        seen_block = seen_block or bool(block)
-        out[node.name] = block or (EPILOGUE if seen_block else PROLOGUE)
+        last_block = block or last_block
+        out[node.name] = block or (f"<after {last_block}>" if last_block else PROLOGUE)
         if block:
             blocks[block].append(node.name)
+    for name, unit in out.items():
+        if unit == f"<after {last_block}>":
+            out[name] = EPILOGUE
     graph = traced.nodes
     broadcast = _read_by_many(traced, plan, {n: unit_of(p.module) for n, p in plan.nodes.items()})
     for block, names in blocks.items():
@@ -120,7 +130,9 @@ def _parts(graph: dict, names: list[str], broadcast: set[str]) -> list[list[str]
     """`names` (a block's nodes, in order) cut after every node past which a single
     activation is live: produced in the block and used later, or entering the block
     and used by a later node of it. Parameters, and values that many blocks read
-    (`broadcast`: they live throughout anyway), do not count."""
+    (`broadcast`: they live throughout anyway), do not count. No part is only views
+    of what enters it (a float32 model's no-op `x.to(float32)`): replayed, it would
+    keep as its input the very tensor the next part keeps."""
     position = {name: i for i, name in enumerate(names)}
     last_use: dict[str, float] = {}  # value → position of its last use (inf: outside)
     for name in names:
@@ -140,7 +152,9 @@ def _parts(graph: dict, names: list[str], broadcast: set[str]) -> list[list[str]
             for v, last in last_use.items()
             if last > j and (v not in position or position[v] <= j)
         ]
-        if len(live) == 1 and live[0] in position:
+        # a part that only views what enters it (a no-op cast) would keep it again
+        viewing = all(views_input(graph[name]) for name in names[start : j + 1])
+        if len(live) == 1 and live[0] in position and not viewing:
             parts.append(names[start : j + 1])
             start = j + 1
     parts.append(names[start:])
