@@ -28,6 +28,7 @@ unreduced results, their gradients). The peak is the largest of these.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -74,6 +75,12 @@ class Totals:
     @property
     def time(self) -> float:
         return self.compute + sum(self.comm.values())
+
+    @functools.cached_property
+    def replayed_at(self) -> tuple[int, ...]:
+        """Per node, what a replay of the set saves again there: all but what enters
+        (`own_memory` asks for it once per knob of the set)."""
+        return tuple(s - e for s, e in zip(self.saved_at, self.entering_at))
 
 
 def totals(
@@ -173,8 +180,7 @@ def own_memory(total: Totals, recomputed: bool) -> tuple[int, int, tuple[int, ..
     inputs is the very tensors it holds already)."""
     if recomputed:
         kept = total.entry + total.resident
-        replayed = tuple(s - e for s, e in zip(total.saved_at, total.entering_at))
-        return kept, kept + total.entry + sum(replayed), replayed
+        return kept, kept + total.entry + total.saved - sum(total.entering_at), total.replayed_at
     kept = total.saved + total.resident
     return kept, kept + total.entry, total.saved_at
 

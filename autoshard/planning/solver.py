@@ -88,6 +88,8 @@ from autoshard.cost.model import (
     may_view,
     node_cost,
     storage_chain,
+    storage_node,
+    stored_bytes,
 )
 from autoshard.errors import BudgetError, StrategyError, human_bytes
 from autoshard.mesh import Mesh
@@ -628,7 +630,7 @@ def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
         kept - kept_before,
         high - high_before,
         _sparse_difference(after.bucketed, before.bucketed),
-        _sparse([b - a for b, a in zip(saved_at, saved_at_before)]),
+        tuple((p, b - a) for p, (b, a) in enumerate(zip(saved_at, saved_at_before)) if b != a),
     )
 
 
@@ -865,9 +867,12 @@ def _crossed(
         reads = tensor_inputs(traced.nodes[name])
         if any(_from(inp, v, members, users, splits_inputs) for inp in reads):
             context = replanned(traced, context, name, Knobs())
+    own_resident, source_resident = resident
+    both = own_resident - {s for s in own_resident - source_resident if unit_of[s] == v}
     if any(context.nodes[name] != own.nodes[name] for name in [*members[u], *viewing]):
         context = share_collectives(traced, context, unit_of, members[u])
-    # else u is placed alike, but what it reads of v may be stored at other sizes
+    elif _reads_alike(traced, own, context, members[u], own_resident - both):
+        return None
     alive.append(context)
     costs = {
         name: node_cost(traced.nodes[name], context.nodes[name], context, hardware, alike=alike)
@@ -878,10 +883,25 @@ def _crossed(
         for position, name in enumerate(members[u])
         if costs[name].transient_bytes != own_costs[name].transient_bytes
     }
-    own_resident, source_resident = resident
-    both = own_resident - {s for s in own_resident - source_resident if unit_of[s] == v}
     crossed = totals(traced, context, costs, members[u], optimizer, users, both)
     return None if crossed == alone and not transient else (crossed, alone, transient)
+
+
+def _reads_alike(traced, own: Plan, context: Plan, names: list[str], uncounted) -> bool:
+    """Whether the nodes `names`, placed alike in both plans, read what enters them
+    from storage of the same size in `context` as in `own`, counted once in both
+    (`uncounted`: storage counted once in `own` only)."""
+    inside = set(names)
+    for name in names:
+        for inp in tensor_inputs(traced.nodes[name]):
+            if inp.op == "get_attr" or inp.name in inside:
+                continue
+            stored, there = storage_node(inp, own), storage_node(inp, context)
+            if stored is not there or stored.name in uncounted:
+                return False
+            if stored_bytes(stored, own) != stored_bytes(there, context):
+                return False
+    return True
 
 
 def _from(inp, v: str, members, users, splits_inputs: bool) -> bool:

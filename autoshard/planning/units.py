@@ -145,16 +145,25 @@ def _parts(graph: dict, names: list[str], broadcast: set[str]) -> list[list[str]
             last_use.setdefault(name, -1)
             for user in graph[name].users:
                 last_use[name] = max(last_use[name], position[user.name])
-    parts, start = [], 0
-    for j in range(len(names) - 1):
-        live = [
-            v
-            for v, last in last_use.items()
-            if last > j and (v not in position or position[v] <= j)
-        ]
+    # live at j: a value produced at p ≤ j (or entering) whose last use is after j
+    n = len(names)
+    produced, entering = [0] * (n + 1), [0] * (n + 1)  # changes in the counts, per j
+    for value, last in last_use.items():
+        counts, first = (produced, position[value]) if value in position else (entering, 0)
+        end = min(last, n)
+        if first < end:
+            counts[first] += 1
+            counts[int(end)] -= 1
+    parts, start, produced_live, entering_live = [], 0, 0, 0
+    for j in range(n - 1):
+        produced_live += produced[j]
+        entering_live += entering[j]
         # a part that only views what enters it (a no-op cast) would keep it again
-        viewing = all(views_input(graph[name]) for name in names[start : j + 1])
-        if len(live) == 1 and live[0] in position and not viewing:
+        if (
+            produced_live == 1
+            and entering_live == 0
+            and not all(views_input(graph[name]) for name in names[start : j + 1])
+        ):
             parts.append(names[start : j + 1])
             start = j + 1
     parts.append(names[start:])
