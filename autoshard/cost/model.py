@@ -423,9 +423,8 @@ def views_input(value: fx.Node) -> bool:
 
 def may_view(value: fx.Node) -> bool:
     """Whether some plan may make `value` a view of its input (`storage_node`)."""
-    return value.target in (operator.getitem, aten.dropout.default, *_RESHAPES) or views_input(
-        value
-    )
+    maybe = (operator.getitem, aten.dropout.default, *_RESHAPES)  # as the plan decides
+    return value.target in maybe or views_input(value)
 
 
 def _viewed(value: fx.Node, plan: Plan) -> fx.Node | None:

@@ -48,8 +48,8 @@ k's transient buffers under the option, knobs and crossings, and what it holds
 of values kept once: exactly `estimate`'s maximum over the nodes, without a
 column for it. A node's row is left out where another node's is at least as
 large in every column (in a transformer block, most of them). Written so, most
-columns are in H's row and one A row only, not in every node's (HiGHS solves
-it as fast as one row per unit). A value knobs keep once counts from the first
+columns are in H's row and one A row only, not in every node's (a third of
+the nonzeros in LLaMA-3 70B's peak rows). A value knobs keep once counts from the first
 of them that is on: s[p] ≥ z for each keeper at position p or before, one
 column per position.
 
