@@ -63,7 +63,7 @@ from autoshard.planning.solver import (
     smallest_peak,
     solve,
 )
-from autoshard.planning.units import EPILOGUE, PROLOGUE
+from autoshard.planning.units import in_block
 from autoshard.tracing.trace import trace
 
 GiB = 2**30
@@ -197,7 +197,7 @@ def timed(fn, *args, **kwargs):
 def uniform_3d_recomputed(problem: Problem) -> tuple[float, float]:
     """All-3D with every block part recomputed, the plan users would pick by hand: its
     step time and peak as the solver prices them (its options are in `problem`)."""
-    choice = {u: Option("3d", checkpoint=u not in (PROLOGUE, EPILOGUE)) for u in problem.units}
+    choice = {u: Option("3d", checkpoint=in_block(u)) for u in problem.units}
     return problem.evaluate(choice)
 
 
@@ -254,7 +254,7 @@ def row(config: Config, seq: int, tokens_m: float, shape: str, hardware: Hardwar
         cost.step_time * devices * hardware.peak(torch.float32)
     )
     families = ", ".join(sorted({option.family for option in choice.values()}))
-    blocks = [o for u, o in choice.items() if u not in (PROLOGUE, EPILOGUE)]
+    blocks = [o for u, o in choice.items() if in_block(u)]
     recomputed = sum(o.checkpoint for o in blocks) / max(len(blocks), 1)
     # the plans compared as the solver prices them: overlap, which the emitted plan's
     # step time leaves out (`Cost.overlapped`), differs from plan to plan and is not priced

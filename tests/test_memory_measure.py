@@ -21,7 +21,7 @@ from autoshard.mesh import Mesh
 from autoshard.planning.estimate import estimate, first_users, own_memory, totals
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.planner import Knobs, plan_graph
-from autoshard.planning.units import EPILOGUE, PROLOGUE, kept_resident, units_of
+from autoshard.planning.units import in_block, kept_resident, units_of
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import load_factory, measure_memory
 from autoshard.tracing.modes import trace_modes
@@ -109,7 +109,7 @@ def _recomputed(traced, mesh: Mesh, family: str) -> autoshard.Plan:
     """`family`'s plan with every block part recomputed."""
     plan = plan_graph(traced, mesh, family)
     units = units_of(traced, plan).items()
-    plan.regions = {name: unit for name, unit in units if unit not in (PROLOGUE, EPILOGUE)}
+    plan.regions = {name: unit for name, unit in units if in_block(unit)}
     return plan
 
 
