@@ -300,9 +300,8 @@ class Problem:
             effects = [self.effect[unit, base]]
             effects += [self.knobs[unit, base][k] for k in sorted(option.knobs, key=str)]
             for effect, keepers in self.kept_once.get((unit, base), {}).values():
-                first = min((p for k, p in keepers.items() if k in option.knobs), default=None)
-                if first is not None:
-                    effects.append(dataclasses.replace(effect, saved_at=((first, effect.high),)))
+                if (kept := _kept_from_first(effect, keepers, option.knobs)) is not None:
+                    effects.append(kept)
             for effect, together in self.joint.get((unit, base), []):
                 if together <= option.knobs:
                     effects.append(effect)
@@ -606,14 +605,22 @@ def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost)
             continue  # a layer's knob not worth having: never all on
         summed = [knobs[k] for k in sorted(together, key=str)]
         summed += [
-            dataclasses.replace(once, saved_at=((min(keepers[k] for k in on), once.high),))
+            kept
             for once, keepers in kept_once.values()
-            if (on := together & keepers.keys())
+            if (kept := _kept_from_first(once, keepers, together)) is not None
         ]
         extra = _difference(cost.total, after, False)
         for effect in summed:
             extra = extra - effect
         problem.joint.setdefault((u, option), []).append((extra, together))
+
+
+def _kept_from_first(once: Effect, keepers: dict[Knob, int], on) -> Effect | None:
+    """A value knobs keep once (`Problem.kept_once`: its effect, and each keeper's
+    position) with the knobs `on` turned: held from the first of them that keeps it,
+    or None where none does."""
+    first = min((p for knob, p in keepers.items() if knob in on), default=None)
+    return None if first is None else dataclasses.replace(once, saved_at=((first, once.high),))
 
 
 def _difference(before: Totals, after: Totals, checkpoint: bool) -> Effect:
@@ -715,7 +722,7 @@ def _add_crossings(
         wiring[u], through[u] = _wiring(traced, problem, members, u, users)
     problem.sources = {u: tuple(wiring[u]) for u in problem.units}
     wire_number: dict[tuple, int] = {}  # a number per wiring: keys hash fast
-    known: dict[tuple, tuple[Totals, Totals, dict[str, float]] | None] = {}
+    known: dict[tuple, tuple[Totals, Totals, dict[int, float]] | None] = {}
     made: dict[tuple[tuple, bool], Crossing] = {}  # identical blocks share one Crossing
     # node costs the calls of `_crossed` share, keyed by the identity of strategies and
     # steps (`NodeCosts`): the plans they cost are kept alive in `alive`
@@ -737,12 +744,12 @@ def _add_crossings(
                     traced, problem.plans[g], costs[g], chunked, hardware
                 )
                 wired = wired_from[v]
+                # the units holding the views u keeps of v's storage, as g places them
+                between = {problem.unit[name] for name in through[u].get(v, ())}
+                viewing = tuple(signatures[g, w] for w in sorted(between))
                 for f, source_plan in problem.plans.items():
                     if f == g:
                         continue
-                    # the units holding the views u keeps of v's storage, as g places them
-                    between = {problem.unit[name] for name in through[u].get(v, ())}
-                    viewing = tuple(signatures[g, w] for w in sorted(between))
                     key = (f, g, signatures[g, u], wired, signatures[f, v], viewing, chunked)
                     if key not in known:
                         if (u, g, chunked) not in alone:
@@ -845,9 +852,10 @@ def _crossed(
     alive: list[Plan],
 ):
     """Unit `u`'s totals and node transients in `own`'s plan with unit `v` as `source`
-    plans it, and its own totals (`alone`); None where nothing changes. `viewing`: nodes of other
-    units through which u keeps views of v's storage, placed again too, so that each
-    is a view or a converted copy as the plan of that choice would make it.
+    plans it, and its own totals (`alone`); None where nothing changes. `viewing`:
+    nodes of other units through which u keeps views of v's storage, placed again
+    too, so that each is a view or a converted copy as the plan of that choice would
+    make it.
     `resident`: what many units read and is counted once (`kept_resident`), in
     `own`'s plan and in `source`'s; of what v makes, only what both count once is
     (the readers may keep it in one and not in the other): never less than the
