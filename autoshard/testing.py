@@ -422,6 +422,8 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            return _on_copies(func, args, kwargs)
         inputs = set()
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor):
@@ -464,6 +466,31 @@ class _Allocations(TorchDispatchMode):
         return peak
 
 
+def _on_copies(func, args, kwargs):
+    """Run the c10d collective `func` on copies of its tensors, wait for it, and write
+    what it wrote (its first argument, c10d's outputs) back into the originals.
+
+    gloo's worker thread lets go of a collective's tensors a moment after the
+    collective completes. Where that is the last reference, the storage is freed on
+    that thread, after the program dropped it, by a margin that differs between runs
+    and ranks (up to Python's thread switch interval): the peak would move with it.
+    Copies made here are not counted, so the originals live as long as the program
+    holds them."""
+    copies = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    out = func(*copies[0], **copies[1])
+    for work in pytree.tree_leaves(out):
+        if isinstance(work, torch.ScriptObject):
+            work.wait()
+    for original, written in zip(pytree.tree_leaves(args[0]), pytree.tree_leaves(copies[0][0])):
+        original.copy_(written)
+    originals = {
+        id(c): t
+        for c, t in zip(pytree.tree_leaves(copies), pytree.tree_leaves((args, kwargs)))
+        if isinstance(t, torch.Tensor)
+    }
+    return pytree.tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), out)
+
+
 def measure_memory(
     step: Callable[[], object], *, exclude: Iterable[torch.Tensor] = ()
 ) -> MemoryMeasurement:
@@ -499,7 +526,9 @@ def measure_memory(
       ``.grad`` counts while it is a tensor of its own.
 
     Both are bytes of this process only; what PyTorch's ops do not allocate
-    (autograd's own objects, allocator caching) is not measured.
+    (autograd's own objects, allocator caching) is not measured, nor what a
+    collective holds while it runs: c10d collectives run on copies (`_on_copies`),
+    so that what they read and write is freed when the program drops it.
     """
     excluded = {_storage(t)[0] for t in exclude}
     allocations = _Allocations(excluded)
