@@ -181,6 +181,27 @@ class UpdatedCopies(nn.Module):
         return h * copied + cast.float() * recast
 
 
+class UpdatedView(nn.Module):
+    """An in-place update through a view of an activation that nothing reads after it
+    but through that view (Funnel's relative attention: ``attn = shifted[..., :n];
+    attn *= mask``): the update reaches no other tensor."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        kept = h.unflatten(-1, (2, -1))[..., 1, :]  # a view of a view of h
+        kept *= torch.sigmoid(x)
+        return self.down(kept)
+
+
+def updated_view():
+    return UpdatedView(), (torch.randn(8, 4, 16),)
+
+
 def updated_copies():
     return UpdatedCopies(), (torch.randn(8, 4, 16),)
 

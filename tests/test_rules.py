@@ -46,6 +46,7 @@ SHARDED = {
         "add_": "aten.add_.Tensor",
         "sub_": "aten.sub_.Tensor",
     },
+    "updated_view": {"mul_": "aten.mul_.Tensor"},
     "elementwise": {
         "stack": "aten.stack.default",
         "repeat_interleave": "aten.repeat_interleave.self_int",
@@ -127,6 +128,19 @@ def test_an_in_place_update_of_a_view_is_refused_by_name():
         StrategyError, match=r"'mul_' .* updates 'slice_\d*', a view .* out of place"
     ):
         autoshard.plan(UpdatesAView(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
+
+
+class UpdatesOneOfTwoSplits(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        first, _ = h.split(4, dim=-1)
+        first.mul_(2.0)  # h is read after it (torch allows it where nothing needs a gradient)
+        return h
+
+
+def test_an_in_place_update_of_a_view_of_storage_read_after_it_another_way_is_refused():
+    with pytest.raises(StrategyError, match=r"'mul_' .* updates 'getitem', a view"):
+        autoshard.plan(UpdatesOneOfTwoSplits(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
 
 
 class UpdatesWhatToReturnsItself(nn.Module):

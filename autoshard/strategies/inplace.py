@@ -11,11 +11,15 @@ lowering), its readers after it reading its result: the stored operand may be
 a collective's output, which autograd forbids updating in place. A parameter or
 buffer is updated in place, as in the serial model. An update through a view
 (``h[:, :4].mul_(2)``) would have to reach the shards of the viewed tensor:
-autoshard refuses it (`StrategyError`) rather than compute it wrongly.
+autoshard refuses it (`StrategyError`) rather than compute it wrongly, unless
+nothing reads that tensor after the update but through the view itself
+(Funnel's ``attn = shifted[..., :n]; attn *= mask``): then the update reaches
+nothing else, and runs out of place like any other.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,11 +78,44 @@ def _is_view(node) -> bool:
     its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
     schema = getattr(node.target, "_schema", None)
     returns = schema.returns if schema is not None else ()
+    if node.op == "call_function" and node.target is operator.getitem:
+        return _is_view(node.args[0])  # one of the views `split` or `chunk` returns
     if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to:
         return _returns_its_input(node)
     return node.op == "call_function" and any(
         r.alias_info is not None and not r.alias_info.is_write for r in returns
     )
+
+
+def _aliases_its_input(node: fx.Node) -> bool:
+    """Whether `node`'s result shares its first operand's storage: a view, or an
+    in-place result."""
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    writes = any(r.alias_info is not None and r.alias_info.is_write for r in returns)
+    return _is_view(node) or writes
+
+
+def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
+    """Whether, after `update` (in place, on `view`), nothing reads the storage `view`
+    views but `view` itself and what `update` returns: an activation's storage, read
+    no other way, so that the update needs to reach no other tensor."""
+    owner = view
+    while _aliases_its_input(owner):
+        owner = owner.args[0]
+    if owner.op != "call_function":
+        return False  # an input, parameter or buffer: the update must reach it
+    aliases, stack = set(), [owner]
+    while stack:
+        node = stack.pop()
+        if node not in aliases:
+            aliases.add(node)
+            stack += [u for u in node.users if _aliases_its_input(u) and u.args[0] is node]
+    later, after = set(), update.next
+    while after.op != "root":
+        later.add(after)
+        after = after.next
+    return not any(later & set(a.users) for a in aliases - {view, update})
 
 
 def _returns_its_input(node: fx.Node) -> bool:
@@ -118,7 +155,7 @@ OUT_OF_PLACE = Lowering("out_of_place", _functional)
 @register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
-    if _is_view(target):
+    if _is_view(target) and not _read_only_through(target, ctx.node):
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
             f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
