@@ -152,13 +152,25 @@ class _Step:
 
 
 class _Float64Kernels(TorchFunctionMode):
-    """The float64 reference's ops that have no float64 CPU kernel, computed exactly in
-    float64 another way: ``torch._grouped_mm`` (Hugging Face's mixture-of-experts
-    products), one matrix product per group.
+    """The float64 reference's forward: float64 the default dtype, so that a factory
+    given no dtype makes what the model would make if it were built in float64
+    (XGLM's ``torch.full(shape, torch.finfo(dtype).min)`` overflows float32 otherwise),
+    and the ops that have no float64 CPU kernel computed exactly in float64 another
+    way: ``torch._grouped_mm`` (Hugging Face's mixture-of-experts products), one
+    matrix product per group.
 
         with _Float64Kernels():
             reference(*inputs)   # a float64 Mixtral: no float64 kernel for its experts otherwise
     """
+
+    def __enter__(self):
+        self._default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.set_default_dtype(self._default)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

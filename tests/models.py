@@ -249,6 +249,25 @@ def offset_norm():
     return OffsetNorm(), (torch.randn(16, 8, requires_grad=True),)
 
 
+class LowestMask(nn.Module):
+    """A causal mask filled with the lowest value of the activations' dtype, made with
+    no dtype given (XGLM's ``torch.full(shape, torch.finfo(dtype).min)``): in float64
+    that value is float64 only, which the float64 reference must allow."""
+
+    def __init__(self, hidden=8):
+        super().__init__()
+        self.score = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        scores = self.score(x)  # [batch, 4, 4]
+        mask = torch.full((4, 4), torch.finfo(scores.dtype).min).triu(1)
+        return (scores + mask).softmax(-1)
+
+
+def lowest_mask():
+    return LowestMask(), (torch.randn(8, 4, 8),)
+
+
 # The GPT and LLaMA examples with a batch of 8, which "dp" splits over 8 ranks, and a
 # LLaMA whose 4 key/value heads split over a tensor-parallel axis of 4.
 def gpt_batch8():

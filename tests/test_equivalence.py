@@ -38,6 +38,11 @@ def test_a_norm_over_split_features_far_from_zero():
     assert {"norm.bias", "input 0"} <= grads
 
 
+def test_a_mask_of_the_lowest_value_made_with_the_default_dtype_has_a_float64_reference():
+    report = assert_equivalent(f"{MODELS}:lowest_mask", (2, 2, 2), strategy="3d", steps=1)
+    assert all(not math.isnan(m.serial_error) for m in report)
+
+
 def test_a_difference_is_caught():
     # `perturbed_mlp`'s serial reference has one weight off by 1e-3: the check must fail.
     with pytest.raises(AssertionError, match="differs from the serial model"):
