@@ -384,3 +384,21 @@ class TiedHead(nn.Module):
 
 def tied_head():
     return TiedHead(), (torch.randint(0, 16, (8, 8)),)
+
+
+class LayerOnAChunk(nn.Module):
+    """A layer reading one piece of a chunk (ProphetNet's decoder: its main stream is a
+    chunk of the hidden states): the piece is a getitem, stored as the chunk's output."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.layer = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        first, second = self.up(x).chunk(2, dim=1)
+        return self.layer(first) + second
+
+
+def layer_on_a_chunk():
+    return LayerOnAChunk(), (torch.randn(4, 16, 32),)

@@ -24,6 +24,7 @@ from autoshard.tracing.trace import trace
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
 LOOKUP = f"{Path(__file__).parent}/op_models.py:lookup_then_layer"
+CHUNK = f"{Path(__file__).parent}/op_models.py:layer_on_a_chunk"
 MESH = (2, 2, 2)
 
 
@@ -57,6 +58,18 @@ def test_turned_knobs_match_serial_and_log_what_is_predicted(family):
         assert logged == predicted
         assert any(k[1] == "all_gather" and k[3] == "backward" for k in predicted)
     assert_equivalent(GPT, MESH, plan=plan)
+
+
+def test_a_layer_keeps_one_piece_of_a_chunk_as_its_shard():
+    # The piece is a getitem: its stored layout is the chunk's output's. Costing the
+    # kept shard raised before (ProphetNet under the default solver).
+    model, inputs = load_factory(CHUNK)()
+    traced = trace(model, inputs)
+    plan = plan_graph(traced, Mesh.from_shape(MESH), "3d", knobs={"linear_1": Knobs(regather=True)})
+    assert plan.nodes["linear_1"].strategy.regather == (0,)
+    # the piece it keeps is its stored shard: a view of what `up` stores, counted once
+    assert set(node_costs(traced, plan, Hardware.load("nvlink-8"))["linear_1"].shared) == {"linear"}
+    assert_equivalent(CHUNK, MESH, plan=plan)
 
 
 def test_knobs_change_what_is_stored_and_saved_as_the_cost_model_says():

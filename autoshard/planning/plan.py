@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -284,11 +285,16 @@ class Plan:
         return out
 
     def stored_layout(self, node) -> Layout | None:
-        """How the value of fx node `node` is stored: a placed node's output, or an
-        input or parameter from `storage` (None for what the plan does not lay out)."""
+        """How the value of fx node `node` is stored: a placed node's output, one of the
+        outputs of a node with several (a getitem), or an input or parameter from
+        `storage` (None for what the plan does not lay out)."""
         placed = self.nodes.get(node.name)
         if placed is not None:
             return placed.strategy.stored if placed.shape else None
+        if node.op == "call_function" and node.target is operator.getitem:
+            parent, index = node.args
+            outputs = self.nodes[parent.name].strategy.outputs if parent.name in self.nodes else ()
+            return outputs[index] if isinstance(index, int) and index < len(outputs) else None
         return self.storage.get(node.target if node.op == "get_attr" else node.name)
 
     def to_json(self) -> str:
