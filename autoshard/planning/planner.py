@@ -590,8 +590,7 @@ def replanned(traced: Traced, plan: Plan, name: str, knobs: Knobs) -> Plan:
         if earlier is not None:
             stored[inp] = earlier.strategy.stored
         elif inp.op == "call_function" and inp.target is operator.getitem:
-            parent, index = inp.args  # one output of a node with several
-            stored[inp] = plan.nodes[parent.name].strategy.outputs[index]
+            stored[inp] = plan.stored_layout(inp)  # one output of a node with several
         elif inp.op != "get_attr":
             stored[inp] = plan.storage[inp.name]
         elif min(order[user.name] for user in inp.users) < order[name]:
