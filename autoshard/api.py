@@ -32,6 +32,7 @@ from autoshard.planning.solver import plan_model
 from autoshard.planning.verify import check_plan, fingerprint
 from autoshard.runtime import agreement, comm
 from autoshard.runtime.agreement import checksum, ranks_text
+from autoshard.strategies.inplace import check_updates_reach
 from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.portable import Portable
 from autoshard.tracing.trace import InputSpec, Traced, bind, forward_signature
@@ -126,6 +127,7 @@ class Compiled:
     def emitted(cls, traced: Traced, plan: Plan, model: torch.nn.Module | None = None) -> Compiled:
         """Emit `traced`'s program for `plan`. The tensors `model` holds (by FQN, the same
         objects the trace saw) are left out of the result; every other one is kept."""
+        check_updates_reach(traced.graph_module.graph, plan)
         own = _model_tensors(model) if model is not None else {}
         held = {fqn for fqn, t in traced.parameters.items() if own.get(fqn) is t}
         return cls(

@@ -143,6 +143,24 @@ def test_an_in_place_update_of_a_view_of_storage_read_after_it_another_way_is_re
         autoshard.plan(UpdatesOneOfTwoSplits(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
 
 
+class AssignsIntoASlice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        h[:, 0] = 0.0  # a fill_ of a view of h, which no rule claims: it runs replicated
+        return self.down(h)
+
+
+def test_an_update_in_place_that_would_land_on_a_gathered_copy_is_refused_by_name():
+    # Run replicated, the fill_ would update a gathered copy of h's shards, and `down`
+    # would read h unchanged: silently wrong before.
+    with pytest.raises(StrategyError, match=r"'fill_' .* updates 'select' in place, but"):
+        autoshard.compile(AssignsIntoASlice(), (2, 2, 2), (torch.randn(8, 4, 16),), strategy="3d")
+
+
 class UpdatesWhatToReturnsItself(nn.Module):
     def forward(self, x):
         same = x.to(torch.float32)  # converts nothing: `same` is `x`

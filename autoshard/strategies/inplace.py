@@ -90,10 +90,7 @@ def _is_view(node) -> bool:
 def _aliases_its_input(node: fx.Node) -> bool:
     """Whether `node`'s result shares its first operand's storage: a view, or an
     in-place result."""
-    schema = getattr(node.target, "_schema", None)
-    returns = schema.returns if schema is not None else ()
-    writes = any(r.alias_info is not None and r.alias_info.is_write for r in returns)
-    return _is_view(node) or writes
+    return _is_view(node) or _writes_in_place(node)
 
 
 def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
@@ -116,6 +113,42 @@ def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
         later.add(after)
         after = after.next
     return not any(later & set(a.users) for a in aliases - {view, update})
+
+
+def check_updates_reach(graph: fx.Graph, plan) -> None:
+    """Raise StrategyError where an update in place would miss what it updates: a node
+    that writes its first operand in place, and runs so (an op with no rule, a buffer's
+    update), where that operand, or a tensor it views on the way to its storage,
+    arrives through a conversion. The update would land on the converted copy, and
+    every later reader of the original would miss it (``h[:, 0] = 0`` on a split ``h``:
+    a ``fill_`` of a view, which no rule claims)."""
+    for node in graph.nodes:
+        placed = plan.nodes.get(node.name)
+        lowering = placed.strategy.lowering if placed is not None else None
+        if placed is None or not _writes_in_place(node) or lowering is OUT_OF_PLACE:
+            continue
+        link, steps = node, ()
+        while not steps and _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
+            here = plan.nodes.get(link.name)  # what converts link's operand, link views
+            steps = here.input_steps[0] if here is not None and here.input_steps else ()
+            link = link if steps else link.args[0]
+        if steps:
+            raise StrategyError(
+                f"node '{node.name}' ({node.target}) updates '{node.args[0].name}' in place, "
+                f"but the plan gives {'it' if link is node else repr(link.name)} a converted "
+                f"copy ({steps[0].kind} over axis {steps[0].axis!r}) of what it reads: the "
+                "update would not reach the tensor it updates. Write the update out of place "
+                "(torch.where(mask, value, h), torch.cat of the parts, index_put without _), "
+                "or plan this module 'replicated'"
+            )
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    returns = schema.returns if schema is not None else ()
+    return node.op == "call_function" and any(
+        r.alias_info is not None and r.alias_info.is_write for r in returns
+    )
 
 
 def _returns_its_input(node: fx.Node) -> bool:
