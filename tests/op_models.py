@@ -402,3 +402,24 @@ class LayerOnAChunk(nn.Module):
 
 def layer_on_a_chunk():
     return LayerOnAChunk(), (torch.randn(4, 16, 32),)
+
+
+class UpdatedBetweenReaders(nn.Module):
+    """A replicated tensor read by two nodes that convert it alike, and updated in place
+    between them by an op no rule claims (``m[:, 0] = 3``): the second reads the update."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        m = torch.ones(x.shape)
+        before = h + m
+        m[:, 0] = 3.0
+        return self.down(before + (h + m))
+
+
+def updated_between_readers():
+    return UpdatedBetweenReaders(), (torch.randn(8, 4, 16),)

@@ -38,6 +38,16 @@ def test_plan_shares_conversions_and_buckets_parameter_gradients():
     assert len(plan.predicted_calls()) < 0.75 * len(plain.predicted_calls())
 
 
+def test_no_reader_shares_a_conversion_made_before_an_update_in_place():
+    # Both sums slice `m` alike; one conversion for both read it before the update
+    # (the output was off by 148 before).
+    name = f"{Path(__file__).parent}/op_models.py:updated_between_readers"
+    model, inputs = load_factory(name)()
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d")
+    assert not any({s.node, s.source} == {"add", "add_1"} for s in plan.shared)
+    assert_equivalent(name, MESH, strategy="3d")
+
+
 def test_a_layer_norm_over_split_features_makes_one_call_per_axis_each_way():
     model, inputs = load_factory(GPT)()
     plan = autoshard.plan(model, MESH, inputs, strategy="3d")

@@ -35,6 +35,7 @@ from torch import fx
 
 from autoshard.layout import Step
 from autoshard.planning.plan import BUCKET_BYTES, Bucket, NodePlan, Plan, SharedInput
+from autoshard.strategies.inplace import updated_in_place
 from autoshard.tracing.trace import Traced, tensor_inputs
 
 
@@ -79,10 +80,10 @@ def share_collectives(
             if not steps or i in placed.strategy.regather or (name, i) in bucketed:
                 continue
             key = (value.name, steps, unit_of[name])
-            if key in first:
-                shared.append(SharedInput(name, i, *first[key]))
-            else:
+            if key not in first:
                 first[key] = (name, i)
+            elif not updated_in_place(value, plan):  # else a copy made before the update
+                shared.append(SharedInput(name, i, *first[key]))
     return dataclasses.replace(plan, shared=tuple(shared), buckets=buckets)
 
 

@@ -124,8 +124,7 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
     a ``fill_`` of a view, which no rule claims)."""
     for node in graph.nodes:
         placed = plan.nodes.get(node.name)
-        lowering = placed.strategy.lowering if placed is not None else None
-        if placed is None or not _writes_in_place(node) or lowering is OUT_OF_PLACE:
+        if placed is None or not _writes_in_place(node) or not _runs_in_place(node, plan):
             continue
         link, steps = node, ()
         while not steps and _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
@@ -141,6 +140,31 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
                 "(torch.where(mask, value, h), torch.cat of the parts, index_put without _), "
                 "or plan this module 'replicated'"
             )
+
+
+def updated_in_place(value: fx.Node, plan) -> bool:
+    """Whether a node updates the storage of `value` in place, and runs so (not out of
+    place): a conversion of `value` made before the update is then not the value after
+    it, and no reader after the update may share it."""
+    owner = value
+    while _aliases_its_input(owner) and isinstance(owner.args[0], fx.Node):
+        owner = owner.args[0]
+    stack, seen = [owner], set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            for user in node.users:
+                if _aliases_its_input(user) and user.args[0] is node:
+                    if _writes_in_place(user) and _runs_in_place(user, plan):
+                        return True
+                    stack.append(user)
+    return False
+
+
+def _runs_in_place(node: fx.Node, plan) -> bool:
+    placed = plan.nodes.get(node.name)
+    return placed is None or placed.strategy.lowering is not OUT_OF_PLACE
 
 
 def _writes_in_place(node: fx.Node) -> bool:
