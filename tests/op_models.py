@@ -423,3 +423,20 @@ class UpdatedBetweenReaders(nn.Module):
 
 def updated_between_readers():
     return UpdatedBetweenReaders(), (torch.randn(8, 4, 16),)
+
+
+class FilledInPlaceReadThroughItsResult(nn.Module):
+    """An update in place by an op no rule claims, of an activation read after it only
+    through the update's result: run replicated on a gathered copy, it is still right."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.down(self.up(x).index_fill_(-1, torch.tensor([0, 3]), 0.0))
+
+
+def filled_in_place():
+    return FilledInPlaceReadThroughItsResult(), (torch.randn(8, 4, 16),)

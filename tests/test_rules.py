@@ -161,6 +161,10 @@ def test_an_update_in_place_that_would_land_on_a_gathered_copy_is_refused_by_nam
         autoshard.compile(AssignsIntoASlice(), (2, 2, 2), (torch.randn(8, 4, 16),), strategy="3d")
 
 
+def test_an_update_in_place_read_only_through_its_result_runs_on_a_gathered_copy():
+    assert_equivalent(f"{OPS}:filled_in_place", (2, 2, 2), strategy="3d", steps=2)
+
+
 class UpdatesWhatToReturnsItself(nn.Module):
     def forward(self, x):
         same = x.to(torch.float32)  # converts nothing: `same` is `x`

@@ -93,35 +93,60 @@ def _aliases_its_input(node: fx.Node) -> bool:
     return _is_view(node) or _writes_in_place(node)
 
 
-def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
-    """Whether, after `update` (in place, on `view`), nothing reads the storage `view`
-    views but `view` itself and what `update` returns: an activation's storage, read
-    no other way, so that the update needs to reach no other tensor."""
-    owner = view
-    while _aliases_its_input(owner):
-        owner = owner.args[0]
-    if owner.op != "call_function":
-        return False  # an input, parameter or buffer: the update must reach it
-    aliases, stack = set(), [owner]
+def _owner(node: fx.Node) -> fx.Node:
+    """The node whose result is the storage `node` shares (through views and updates)."""
+    while _aliases_its_input(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _sharing(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node that views or updates it, and so on: one storage."""
+    out, stack = set(), [node]
     while stack:
-        node = stack.pop()
-        if node not in aliases:
-            aliases.add(node)
-            stack += [u for u in node.users if _aliases_its_input(u) and u.args[0] is node]
+        here = stack.pop()
+        if here not in out:
+            out.add(here)
+            stack += [u for u in here.users if _aliases_its_input(u) and u.args[0] is here]
+    return out
+
+
+def _read_after(update: fx.Node, tensors: set[fx.Node]) -> bool:
+    """Whether a node after `update` reads one of `tensors`."""
     later, after = set(), update.next
     while after.op != "root":
         later.add(after)
         after = after.next
-    return not any(later & set(a.users) for a in aliases - {view, update})
+    return any(later & set(t.users) for t in tensors)
+
+
+def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
+    """Whether, after `update` (in place, on `view`), nothing reads the storage `view`
+    views but `view` itself and what `update` returns: an activation's storage, read
+    no other way, so that the update needs to reach no other tensor."""
+    owner = _owner(view)
+    if owner.op != "call_function":
+        return False  # an input, parameter or buffer: the update must reach it
+    return not _read_after(update, _sharing(owner) - {view, update})
+
+
+def _read_elsewhere_after(update: fx.Node) -> bool:
+    """Whether, after `update`, the storage it writes is read other than through what
+    `update` returns (and its views), or is an input, parameter or buffer's."""
+    owner = _owner(update.args[0])
+    if owner.op != "call_function":
+        return True
+    return _read_after(update, _sharing(owner) - _sharing(update))
 
 
 def check_updates_reach(graph: fx.Graph, plan) -> None:
     """Raise StrategyError where an update in place would miss what it updates: a node
     that writes its first operand in place, and runs so (an op with no rule, a buffer's
     update), where that operand, or a tensor it views on the way to its storage,
-    arrives through a conversion. The update would land on the converted copy, and
-    every later reader of the original would miss it (``h[:, 0] = 0`` on a split ``h``:
-    a ``fill_`` of a view, which no rule claims)."""
+    arrives through a conversion, and the storage is read after the update other than
+    through its result. The update lands on the converted copy, and those readers
+    would miss it (``h[:, 0] = 0`` on a split ``h``: a ``fill_`` of a view, which no
+    rule claims)."""
     for node in graph.nodes:
         placed = plan.nodes.get(node.name)
         if placed is None or not _writes_in_place(node) or not _runs_in_place(node, plan):
@@ -131,7 +156,7 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
             here = plan.nodes.get(link.name)  # what converts link's operand, link views
             steps = here.input_steps[0] if here is not None and here.input_steps else ()
             link = link if steps else link.args[0]
-        if steps:
+        if steps and _read_elsewhere_after(node):
             raise StrategyError(
                 f"node '{node.name}' ({node.target}) updates '{node.args[0].name}' in place, "
                 f"but the plan gives {'it' if link is node else repr(link.name)} a converted "
@@ -146,20 +171,9 @@ def updated_in_place(value: fx.Node, plan) -> bool:
     """Whether a node updates the storage of `value` in place, and runs so (not out of
     place): a conversion of `value` made before the update is then not the value after
     it, and no reader after the update may share it."""
-    owner = value
-    while _aliases_its_input(owner) and isinstance(owner.args[0], fx.Node):
-        owner = owner.args[0]
-    stack, seen = [owner], set()
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            for user in node.users:
-                if _aliases_its_input(user) and user.args[0] is node:
-                    if _writes_in_place(user) and _runs_in_place(user, plan):
-                        return True
-                    stack.append(user)
-    return False
+    return any(
+        _writes_in_place(n) and _runs_in_place(n, plan) for n in _sharing(_owner(value)) - {value}
+    )
 
 
 def _runs_in_place(node: fx.Node, plan) -> bool:
