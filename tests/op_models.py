@@ -440,3 +440,29 @@ class FilledInPlaceReadThroughItsResult(nn.Module):
 
 def filled_in_place():
     return FilledInPlaceReadThroughItsResult(), (torch.randn(8, 4, 16),)
+
+
+class IndexBuiltInPlace(nn.Module):
+    """BEiT's relative position index: built in forward from aranges, its columns
+    updated in place through views and the whole read after, then used to look up a
+    table of biases. It is made of no input: every rank builds it alike, in place."""
+
+    def __init__(self, size=4, hidden=16):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4 * size * size, 1))
+        self.proj = nn.Linear(hidden, hidden)
+        self.size = size
+
+    def forward(self, x):
+        n = self.size
+        coords = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        coords = torch.stack([coords, coords.t()], -1).contiguous()
+        coords[:, :, 0] += n - 1
+        coords[:, :, 1] += n - 1
+        coords[:, :, 0] *= 2 * n - 1
+        bias = self.table[coords.sum(-1).view(-1)].view(n, n)
+        return self.proj(x).unflatten(-1, (n, n)) + bias
+
+
+def index_built_in_place():
+    return IndexBuiltInPlace(), (torch.randn(8, 4, 16),)

@@ -161,6 +161,11 @@ def test_an_update_in_place_that_would_land_on_a_gathered_copy_is_refused_by_nam
         autoshard.compile(AssignsIntoASlice(), (2, 2, 2), (torch.randn(8, 4, 16),), strategy="3d")
 
 
+@pytest.mark.parametrize("strategy", ["3d", None])
+def test_an_index_made_of_no_input_and_updated_through_views_is_built_in_place(strategy):
+    assert_equivalent(f"{OPS}:index_built_in_place", (2, 2, 2), strategy=strategy, steps=2)
+
+
 def test_an_update_in_place_read_only_through_its_result_runs_on_a_gathered_copy():
     assert_equivalent(f"{OPS}:filled_in_place", (2, 2, 2), strategy="3d", steps=2)
 

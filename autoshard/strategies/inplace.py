@@ -14,7 +14,11 @@ buffer is updated in place, as in the serial model. An update through a view
 autoshard refuses it (`StrategyError`) rather than compute it wrongly, unless
 nothing reads that tensor after the update but through the view itself
 (Funnel's ``attn = shifted[..., :n]; attn *= mask``): then the update reaches
-nothing else, and runs out of place like any other.
+nothing else, and runs out of place like any other. A tensor made of no input
+(BEiT's relative position index, built from aranges) is updated through its
+views in place, as in the serial model. Whatever updates in place, a rule's
+lowering or an op with no rule run replicated, `check_updates_reach` refuses a
+program where a conversion comes between the update and what it must reach.
 """
 
 from __future__ import annotations
@@ -226,7 +230,8 @@ OUT_OF_PLACE = Lowering("out_of_place", _functional)
 @register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
-    if _is_view(target) and not _read_only_through(target, ctx.node):
+    through_view = _is_view(target) and not _read_only_through(target, ctx.node)
+    if through_view and not _made_of_no_input(_owner(target)):
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
             f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
@@ -234,5 +239,21 @@ def in_place(ctx: Context) -> list[Strategy]:
         )
     out = ctx.layout(0)
     inputs = [out] + [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(1, len(ctx.inputs))]
-    lowering = OUT_OF_PLACE if target.op == "call_function" else None
+    # through a view of a tensor made of no input (BEiT's relative position index), in
+    # place: `check_updates_reach` refuses the program if a conversion comes between
+    lowering = OUT_OF_PLACE if target.op == "call_function" and not through_view else None
     return [make("follow", inputs, out, lowering=lowering, detail="in place")]
+
+
+def _made_of_no_input(node: fx.Node) -> bool:
+    """Whether `node` is computed from no input, parameter or buffer: nothing in it
+    needs a gradient, and every rank computes it alike."""
+    seen, stack = set(), [node]
+    while stack:
+        here = stack.pop()
+        if here not in seen:
+            if here.op in ("placeholder", "get_attr"):
+                return False
+            seen.add(here)
+            stack += here.all_input_nodes
+    return True
