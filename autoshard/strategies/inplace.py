@@ -16,9 +16,10 @@ nothing reads that tensor after the update but through the view itself
 (Funnel's ``attn = shifted[..., :n]; attn *= mask``): then the update reaches
 nothing else, and runs out of place like any other. A tensor made of no input
 (BEiT's relative position index, built from aranges) is updated through its
-views in place, as in the serial model. Whatever updates in place, a rule's
-lowering or an op with no rule run replicated, `check_updates_reach` refuses a
-program where a conversion comes between the update and what it must reach.
+views in place, as in the serial model. Whatever runs in place (a buffer's
+update, such a constant's, an op with no rule run replicated),
+`check_updates_reach` refuses a program where a conversion comes between the
+update and the storage it must reach.
 """
 
 from __future__ import annotations
