@@ -466,3 +466,29 @@ class IndexBuiltInPlace(nn.Module):
 
 def index_built_in_place():
     return IndexBuiltInPlace(), (torch.randn(8, 4, 16),)
+
+
+class AveragedBuffers(nn.Module):
+    """Buffers updated in forward: an exponential average by two updates in a row
+    (the second updates the first's result, which is the buffer), the same under
+    ``torch.no_grad()`` (which reaches the buffer through a ``detach``), and a copy
+    into a buffer (an op no rule claims)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+        for name in ("ema", "ema_no_grad", "last"):
+            self.register_buffer(name, torch.zeros(hidden))
+
+    def forward(self, x):
+        h = self.up(x)
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean((0, 1)))
+        with torch.no_grad():
+            self.ema_no_grad.mul_(0.5).add_(0.5 * h.mean((0, 1)))
+            self.last.copy_(h.mean((0, 1)))
+        return self.down(h * self.ema + self.ema_no_grad - self.last)
+
+
+def averaged_buffers():
+    return AveragedBuffers(), (torch.randn(8, 4, 16),)

@@ -166,6 +166,13 @@ def test_an_index_made_of_no_input_and_updated_through_views_is_built_in_place(s
     assert_equivalent(f"{OPS}:index_built_in_place", (2, 2, 2), strategy=strategy, steps=2)
 
 
+def test_buffers_updated_in_forward_keep_every_update():
+    # The second of two updates in a row ran out of place: the buffer missed it, and
+    # the next step differed (up.weight's gradient off by 0.41). Under no_grad the
+    # update reaches the buffer through a detach, which was refused.
+    assert_equivalent(f"{OPS}:averaged_buffers", (2, 2, 2), strategy="3d", steps=3)
+
+
 def test_an_update_in_place_read_only_through_its_result_runs_on_a_gathered_copy():
     assert_equivalent(f"{OPS}:filled_in_place", (2, 2, 2), strategy="3d", steps=2)
 

@@ -16,7 +16,9 @@ nothing reads that tensor after the update but through the view itself
 (Funnel's ``attn = shifted[..., :n]; attn *= mask``): then the update reaches
 nothing else, and runs out of place like any other. A tensor made of no input
 (BEiT's relative position index, built from aranges) is updated through its
-views in place, as in the serial model. Whatever runs in place (a buffer's
+views in place, as in the serial model, and so is a buffer (an average updated
+under ``torch.no_grad()`` reaches it through a ``detach``; ``ema.mul_(0.9).add_(x)``
+updates it twice). Whatever runs in place (a buffer's
 update, such a constant's, an op with no rule run replicated),
 `check_updates_reach` refuses a program where a conversion comes between the
 update and the storage it must reach.
@@ -232,7 +234,7 @@ OUT_OF_PLACE = Lowering("out_of_place", _functional)
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     through_view = _is_view(target) and not _read_only_through(target, ctx.node)
-    if through_view and not _made_of_no_input(_owner(target)):
+    if through_view and not _updatable_in_place(_owner(target)):
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
             f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
@@ -240,10 +242,24 @@ def in_place(ctx: Context) -> list[Strategy]:
         )
     out = ctx.layout(0)
     inputs = [out] + [aligned(out, ctx.shape(i), ctx.out_shape) for i in range(1, len(ctx.inputs))]
-    # through a view of a tensor made of no input (BEiT's relative position index), in
-    # place: `check_updates_reach` refuses the program if a conversion comes between
-    lowering = OUT_OF_PLACE if target.op == "call_function" and not through_view else None
+    # through a view of a buffer or of a tensor made of no input, in place:
+    # `check_updates_reach` refuses the program if a conversion comes between
+    # (an update of an update of a buffer, `ema.mul_(0.9).add_(x)`, reaches the buffer)
+    owned = _owner(target).op == "call_function"
+    lowering = OUT_OF_PLACE if owned and not through_view else None
     return [make("follow", inputs, out, lowering=lowering, detail="in place")]
+
+
+def _updatable_in_place(owner: fx.Node) -> bool:
+    """Whether the storage `owner` makes may be updated in place through its views on
+    the ranks, as in the serial model: a buffer (an exponential average updated under
+    ``torch.no_grad()``, which reaches it through a ``detach``), or a tensor made of no
+    input (BEiT's relative position index, built from aranges). Neither needs a
+    gradient."""
+    if owner.op == "get_attr":
+        value = owner.meta.get("val")
+        return isinstance(value, torch.Tensor) and not value.requires_grad
+    return _made_of_no_input(owner)
 
 
 def _made_of_no_input(node: fx.Node) -> bool:
