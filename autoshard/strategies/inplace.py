@@ -80,17 +80,21 @@ def out_of_place(op):
     return getattr(packet, op._overloadname)
 
 
+def _returns(node: fx.Node) -> tuple:
+    """The results its op's schema declares (none for what has no schema)."""
+    schema = getattr(node.target, "_schema", None)
+    return tuple(schema.returns) if schema is not None else ()
+
+
 def _is_view(node) -> bool:
     """Whether `node` returns a view of another tensor (an in-place op's result, which
     its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
-    schema = getattr(node.target, "_schema", None)
-    returns = schema.returns if schema is not None else ()
     if node.op == "call_function" and node.target is operator.getitem:
         return _is_view(node.args[0])  # one of the views `split` or `chunk` returns
     if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to:
         return _returns_its_input(node)
     return node.op == "call_function" and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in returns
+        r.alias_info is not None and not r.alias_info.is_write for r in _returns(node)
     )
 
 
@@ -118,32 +122,31 @@ def _sharing(node: fx.Node) -> set[fx.Node]:
     return out
 
 
-def _read_after(update: fx.Node, tensors: set[fx.Node]) -> bool:
-    """Whether a node after `update` reads one of `tensors`."""
-    later, after = set(), update.next
+def _after(node: fx.Node) -> list[fx.Node]:
+    """The nodes after `node` in its graph, in order."""
+    later, after = [], node.next
     while after.op != "root":
-        later.add(after)
+        later.append(after)
         after = after.next
-    return any(later & set(t.users) for t in tensors)
+    return later
+
+
+def _storage_read_after(update: fx.Node, tensor: fx.Node, spared: set[fx.Node]) -> bool:
+    """Whether a node after `update` reads the storage `tensor` shares through any
+    tensor but those `spared`; always for an input's, parameter's or buffer's storage,
+    which an update must reach."""
+    owner = _owner(tensor)
+    if owner.op != "call_function":
+        return True
+    later = set(_after(update))
+    return any(later & set(t.users) for t in _sharing(owner) - spared)
 
 
 def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
     """Whether, after `update` (in place, on `view`), nothing reads the storage `view`
     views but `view` itself and what `update` returns: an activation's storage, read
     no other way, so that the update needs to reach no other tensor."""
-    owner = _owner(view)
-    if owner.op != "call_function":
-        return False  # an input, parameter or buffer: the update must reach it
-    return not _read_after(update, _sharing(owner) - {view, update})
-
-
-def _read_elsewhere_after(update: fx.Node) -> bool:
-    """Whether, after `update`, the storage it writes is read other than through what
-    `update` returns (and its views), or is an input, parameter or buffer's."""
-    owner = _owner(update.args[0])
-    if owner.op != "call_function":
-        return True
-    return _read_after(update, _sharing(owner) - _sharing(update))
+    return not _storage_read_after(update, view, {view, update})
 
 
 def check_updates_reach(graph: fx.Graph, plan) -> None:
@@ -159,11 +162,14 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
         if placed is None or not _writes_in_place(node) or not _runs_in_place(node, plan):
             continue
         link, steps = node, ()
-        while not steps and _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
+        while _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
             here = plan.nodes.get(link.name)  # what converts link's operand, link views
             steps = here.input_steps[0] if here is not None and here.input_steps else ()
-            link = link if steps else link.args[0]
-        if steps and _read_elsewhere_after(node):
+            if steps:
+                break
+            link = link.args[0]
+        # read after it other than through what it returns (and that result's views)
+        if steps and _storage_read_after(node, node.args[0], _sharing(node)):
             raise StrategyError(
                 f"node '{node.name}' ({node.target}) updates '{node.args[0].name}' in place, "
                 f"but the plan gives {'it' if link is node else repr(link.name)} a converted "
@@ -189,10 +195,8 @@ def _runs_in_place(node: fx.Node, plan) -> bool:
 
 
 def _writes_in_place(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    returns = schema.returns if schema is not None else ()
     return node.op == "call_function" and any(
-        r.alias_info is not None and r.alias_info.is_write for r in returns
+        r.alias_info is not None and r.alias_info.is_write for r in _returns(node)
     )
 
 
@@ -217,12 +221,7 @@ def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     """An in-place op as its functional twin; the readers of its first operand that
     come after it read its result instead, as they read the updated tensor before."""
     updated = node.args[0]
-    later, after = [], node.next
-    while after.op != "root":
-        if updated in after.all_input_nodes:
-            later.append(after)
-        after = after.next
-    for user in later:
+    for user in [n for n in _after(node) if updated in n.all_input_nodes]:
         user.replace_input_with(updated, node)
     node.target = out_of_place(node.target)
 
@@ -233,8 +232,9 @@ OUT_OF_PLACE = Lowering("out_of_place", _functional)
 @register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
+    owner = _owner(target)
     through_view = _is_view(target) and not _read_only_through(target, ctx.node)
-    if through_view and not _updatable_in_place(_owner(target)):
+    if through_view and not _updatable_in_place(owner):
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
             f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
@@ -245,8 +245,7 @@ def in_place(ctx: Context) -> list[Strategy]:
     # through a view of a buffer or of a tensor made of no input, in place:
     # `check_updates_reach` refuses the program if a conversion comes between
     # (an update of an update of a buffer, `ema.mul_(0.9).add_(x)`, reaches the buffer)
-    owned = _owner(target).op == "call_function"
-    lowering = OUT_OF_PLACE if owned and not through_view else None
+    lowering = OUT_OF_PLACE if owner.op == "call_function" and not through_view else None
     return [make("follow", inputs, out, lowering=lowering, detail="in place")]
 
 
