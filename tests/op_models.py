@@ -492,3 +492,29 @@ class AveragedBuffers(nn.Module):
 
 def averaged_buffers():
     return AveragedBuffers(), (torch.randn(8, 4, 16),)
+
+
+class Einsums(nn.Module):
+    """Attention written as einsums, as XLNet and Funnel write it: projections by 3-D
+    weights (``ibh,hnd->ibnd``), scores and context between activations, and a layer
+    by a 2-D weight indexed the other way round (``hd,bld->blh``)."""
+
+    def __init__(self, hidden=16, heads=4):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(hidden, heads, hidden // heads) / hidden**0.5)
+        self.k = nn.Parameter(torch.randn(hidden, heads, hidden // heads) / hidden**0.5)
+        self.o = nn.Parameter(torch.randn(hidden, heads, hidden // heads) / hidden**0.5)
+        self.up = nn.Parameter(torch.randn(2 * hidden, hidden) / hidden**0.5)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        q = torch.einsum("ibh,hnd->ibnd", x, self.q)
+        k = torch.einsum("ibh,hnd->ibnd", x, self.k)
+        scores = torch.einsum("ibnd,jbnd->bnij", q, k).softmax(-1)
+        context = torch.einsum("bnij,jbnd->ibnd", scores, q)
+        h = x + torch.einsum("ibnd,hnd->ibh", context, self.o)
+        return self.down(torch.relu(torch.einsum("fh,ibh->ibf", self.up, h)))
+
+
+def einsums():
+    return Einsums(), (torch.randn(8, 4, 16),)

@@ -12,6 +12,7 @@ from torch import nn
 import autoshard
 from autoshard.errors import StrategyError, TraceError
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.trace import trace
 
 OPS = Path(__file__).with_name("op_models.py")
 # The nodes each model exists for, and the ops they must be planned as (not replicated).
@@ -57,6 +58,12 @@ SHARDED = {
         "multiply": "aten.multiply.Tensor",
     },
     "alibi": {"baddbmm": "aten.baddbmm.default"},
+    "einsums": {
+        "einsum_matmul": "aten.matmul.default",
+        "einsum_2_matmul": "aten.matmul.default",
+        "einsum_3_matmul": "aten.matmul.default",
+        "einsum_5_linear": "aten.linear.default",
+    },
     "experts": {
         "grouped_mm_fallback": "autoshard.grouped_mm_nt.default",
         "grouped_mm_fallback_1": "autoshard.grouped_mm_nt.default",
@@ -87,6 +94,49 @@ def test_the_rule_splits_its_op(name):
 @pytest.mark.parametrize("name", sorted(SHARDED))
 def test_the_rule_matches_serial(name, strategy):
     assert_equivalent(f"{OPS}:{name}", (2, 2, 2), strategy=strategy, steps=2)
+
+
+class _Einsum(nn.Module):
+    def __init__(self, equation, weight_shape, weight_first):
+        super().__init__()
+        self.equation, self.weight_first = equation, weight_first
+        self.weight = nn.Parameter(torch.randn(weight_shape)) if weight_shape else None
+
+    def forward(self, x, y):
+        operands = [x, self.weight if self.weight is not None else y]
+        return torch.einsum(self.equation, operands[::-1] if self.weight_first else operands)
+
+
+@pytest.mark.parametrize(
+    "equation, shapes, weight_first, rewritten",
+    [
+        ("bld,hd->blh", [(2, 3, 4), (5, 4)], False, "linear"),
+        ("hd,bld->bhl", [(2, 3, 4), (5, 4)], True, "linear"),
+        ("bld,dh->blh", [(2, 3, 4), (4, 5)], False, "matmul"),
+        ("ibh,hnd->ibnd", [(3, 2, 4), (4, 2, 3)], False, "matmul"),
+        ("bind,bjnd->bnij", [(2, 3, 4, 5), (2, 6, 4, 5)], False, "matmul"),
+        ("bnij,jbnd->ibnd", [(2, 4, 3, 6), (6, 2, 4, 5)], False, "matmul"),
+        ("abcd,acde->abe", [(2, 3, 4, 5), (2, 4, 5, 6)], False, "matmul"),
+        ("bi,bj->bij", [(2, 3), (2, 4)], False, "matmul"),
+        ("ij,jk", [(2, 3), (3, 4)], False, "matmul"),  # implicit output: "ik"
+        ("ii,ij->j", [(3, 3), (3, 4)], False, None),  # a diagonal
+        ("ij,jk->i", [(2, 3), (3, 4)], False, None),  # k summed within one operand
+        ("bij,bjk->bik", [(1, 2, 3), (4, 3, 5)], False, None),  # b broadcast
+        ("...ij,...jk->...ik", [(2, 2, 3), (2, 3, 4)], False, None),  # an ellipsis
+    ],
+)
+def test_two_operand_einsums_trace_as_products_equal_to_einsum(
+    equation, shapes, weight_first, rewritten
+):
+    x_shape, y_shape = shapes
+    model = _Einsum(equation, y_shape if rewritten == "linear" else None, weight_first)
+    x, y = torch.randn(x_shape), torch.randn(y_shape)
+    graph_module = trace(model, (x, y)).graph_module
+    ops = {n.target._opname for n in graph_module.graph.nodes if n.op == "call_function"}
+    assert ("einsum" in ops) == (rewritten is None)
+    if rewritten is not None:
+        assert rewritten in ops
+    torch.testing.assert_close(graph_module(x, y)[0], model(x, y), rtol=1e-6, atol=1e-6)
 
 
 def test_an_image_convolution_splits_no_input_channel():

@@ -20,6 +20,19 @@ autograd records, so it is ``aten.detach``, read by everything after it.
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
 
+XLNet, Funnel and ProphetNet write attention as ``einsum("bind,bjnd->bnij", q, k)``,
+which no rule knows. A two-operand einsum is a batched matmul between permutes and
+reshapes, which the rules do know (index letters: batch in both operands and the
+output, contracted in both only, free in one and the output):
+
+    # before                                  # after
+    einsum = aten.einsum("bind,bjnd->bnij",   permute = aten.permute(q, [0, 2, 1, 3])
+                         [q, k])              permute_1 = aten.permute(k, [0, 2, 3, 1])
+                                              einsum = aten.matmul(permute, permute_1)
+
+and where one operand is a 2-D parameter and nothing is batched, a layer:
+``einsum("bld,hd->blh", x, weight)`` is ``aten.linear(x, weight)``.
+
 EfficientNet's convolutions pad by name (``nn.Conv2d(..., padding="same")``), which
 traces as another overload, ``aten.conv2d.padding``. "valid" pads nothing, and "same"
 pads dilation × (kernel − 1) along each spatial dim: where that is even, half on
@@ -29,6 +42,8 @@ side pads more: ATen pads the input first, and that call is left as it is.)
 """
 
 from __future__ import annotations
+
+import math
 
 from torch import fx
 from torch.ops import aten
@@ -63,6 +78,7 @@ def canonicalize(graph: fx.Graph) -> None:
     reshape_by_shape(graph)
     detach_out_of_place(graph)
     pad_convolutions_by_number(graph)
+    einsum_as_products(graph)
 
 
 def pad_convolutions_by_number(graph: fx.Graph) -> None:
@@ -144,3 +160,85 @@ def fold_transposed_weights(graph: fx.Graph) -> None:
         node.target, node.args = aten.linear.default, (x, weight)
         if not transposed.users:
             graph.erase_node(transposed)
+
+
+def einsum_as_products(graph: fx.Graph) -> None:
+    """``einsum(equation, [a, b])`` → permutes, reshapes and one ``matmul`` (or
+    ``linear``), in place, wherever the equation has no ellipsis, no diagonal, no
+    index summed within one operand and no broadcast size."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.einsum.default)):
+        indices = _product_indices(node)
+        if indices is not None:
+            _rewrite_einsum(graph, node, *indices)
+
+
+def _product_indices(node: fx.Node) -> tuple | None:
+    """(a, b, out letters, operands, their shapes) of a two-operand einsum this module
+    rewrites, or None."""
+    equation, operands = node.args[0], node.args[1]
+    if node.kwargs or len(node.args) != 2 or len(operands) != 2 or "." in equation:
+        return None
+    equation = equation.replace(" ", "")
+    inputs, _, out = equation.partition("->")
+    a, b = inputs.split(",")
+    if "->" not in equation:  # implicit output: every letter seen once, in order
+        out = "".join(sorted(c for c in a + b if (a + b).count(c) == 1))
+    shapes = [tuple(op.meta["val"].shape) for op in operands]
+    if any(len(set(s)) != len(s) for s in (a, b, out)) or set(out) - set(a + b):
+        return None
+    if (len(a), len(b)) != tuple(map(len, shapes)) or set(a + b) - set(out) - (set(a) & set(b)):
+        return None  # summed within one operand
+    size = dict(zip(a, shapes[0]))
+    if any(size.get(c, n) != n for c, n in zip(b, shapes[1])):
+        return None  # broadcast
+    return a, b, out, operands, shapes
+
+
+def _rewrite_einsum(graph, node, a, b, out, operands, shapes) -> None:
+    size = {**dict(zip(a, shapes[0])), **dict(zip(b, shapes[1]))}
+    x, y = operands
+    if y.op != "get_attr" and x.op == "get_attr":  # the parameter on the right
+        (a, x), (b, y) = (b, y), (a, x)
+    batch = [c for c in out if c in a and c in b]
+    contracted = [c for c in a if c in b and c not in out]
+    free_a = [c for c in a if c not in b]
+    free_b = [c for c in b if c not in a]
+
+    def call(target, *args):
+        new = graph.create_node("call_function", target, args, name=f"{node.name}_{target._opname}")
+        new.meta = {**node.meta, "val": target(*(_value(arg) for arg in args))}
+        return new
+
+    def arranged(value, letters: str, order: list[str], groups: list[list[str]]):
+        """`value` permuted to `order`, then reshaped to one dim per group."""
+        if order != list(letters):
+            value = call(aten.permute.default, value, [letters.index(c) for c in order])
+        if any(len(group) != 1 for group in groups):
+            value = call(aten.reshape.default, value, [_product(size, g) for g in groups])
+        return value
+
+    # against a right operand with no batch dims, matmul broadcasts the left's free dims
+    rows = [[c] for c in free_a] if not batch and free_a else [free_a]
+    with graph.inserting_before(node):
+        batched = [[c] for c in batch]
+        left = arranged(x, a, batch + free_a + contracted, [*batched, *rows, contracted])
+        if not batch and y.op == "get_attr" and len(b) == 2 and b[1] in contracted:
+            product = call(aten.linear.default, left, y)
+        else:
+            right = arranged(y, b, batch + contracted + free_b, [*batched, contracted, free_b])
+            product = call(aten.matmul.default, left, right)
+        done = batch + free_a + free_b
+        if len(rows) != len(free_a) or len(free_b) != 1:
+            product = call(aten.reshape.default, product, [size[c] for c in done])
+        if done != list(out):
+            product = call(aten.permute.default, product, [done.index(c) for c in out])
+    node.replace_all_uses_with(product)
+    graph.erase_node(node)
+
+
+def _product(size: dict[str, int], letters: list[str]) -> int:
+    return math.prod(size[c] for c in letters)
+
+
+def _value(arg):
+    return arg.meta["val"] if isinstance(arg, fx.Node) else arg
