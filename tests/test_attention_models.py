@@ -37,6 +37,12 @@ def test_torch_attention_modules_train_like_serial(plan):
     )
 
 
+@pytest.mark.parametrize("mode", ["seq2seq", "seq2seq_eval"])
+@pytest.mark.parametrize("plan", ["3d", "solved"])
+def test_a_transformer_with_a_causal_mask_given_no_hint_and_padding_trains_like_serial(mode, plan):
+    assert_equivalent(f"{MODELS}:{mode}", (2, 2, 2), steps=2, **PLANS[plan])
+
+
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])
 def test_transpose_reshape_linear_view(mesh):
     """The minimal form: x.transpose(0, 1).reshape(T·B, E) → Linear → view → transpose."""

@@ -150,3 +150,47 @@ class NormalizedMLP(nn.Module):
 
 def batch_norm_mlp():
     return NormalizedMLP(), (torch.randn(B * S, E),)
+
+
+class Seq2Seq(nn.Module):
+    """nn.Transformer as its tutorial uses it: a causal target mask made in forward
+    and given with no ``tgt_is_causal`` hint, and padding masks over source and
+    target (batch-first); then a sequence-first nn.TransformerEncoder given a causal
+    ``mask`` with no ``is_causal`` hint. Both would compare their mask's values with a
+    causal mask to choose a kernel, which torch.export cannot trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(
+            E, HEADS, 1, 1, 2 * E, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.sequence_first = _encoder(False)
+
+    def forward(self, src, tgt, src_padding, tgt_padding):
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        h = self.transformer(
+            src,
+            tgt,
+            tgt_mask=causal,
+            src_key_padding_mask=src_padding,
+            tgt_key_padding_mask=tgt_padding,
+            memory_key_padding_mask=src_padding,
+        )
+        return self.sequence_first(h.transpose(0, 1), mask=causal).transpose(0, 1)
+
+
+def _padding(*padded: tuple[int, int]) -> torch.Tensor:
+    """A key padding mask over (B, S): True at the last `n` positions of sequence b."""
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, n in padded:
+        mask[b, S - n :] = True
+    return mask
+
+
+def seq2seq():
+    return Seq2Seq(), (_tokens(True), _tokens(True), _padding((0, 2), (3, 5)), _padding((1, 3)))
+
+
+def seq2seq_eval():
+    model, inputs = seq2seq()
+    return model.eval(), inputs

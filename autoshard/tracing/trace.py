@@ -14,11 +14,13 @@ program keeps the model's parameter names.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from torch import fx
+from torch.nn.modules import transformer as transformer_module
 from torch.utils import _pytree as pytree
 
 from autoshard.errors import InputError, TraceError
@@ -66,7 +68,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
     forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
-        with custom_functions_recorded() as custom_functions:
+        with custom_functions_recorded() as custom_functions, _masks_applied_as_given():
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(_export_failed(model, e)) from e
@@ -124,6 +126,28 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         inputs=specs,
         signature=forward_signature,
     )
+
+
+@contextmanager
+def _masks_applied_as_given():
+    """While tracing, an attention mask given to `nn.Transformer`'s layers without an
+    ``is_causal`` hint is applied as it is.
+
+    Those layers ask whether such a mask is causal by comparing its values with a
+    causal mask (``_detect_is_causal_mask``), which torch.export cannot trace: a
+    branch on data. The answer only chooses how the mask is applied (as a causal
+    kernel's flag, or as the mask itself), not what the layer computes: torch's own
+    documentation of that function says so, and so the traced graph applies it."""
+    detect = transformer_module._detect_is_causal_mask
+    transformer_module._detect_is_causal_mask = _causal_only_if_said
+    try:
+        yield
+    finally:
+        transformer_module._detect_is_causal_mask = detect
+
+
+def _causal_only_if_said(mask, is_causal=None, size=None) -> bool:
+    return is_causal is True
 
 
 def _export_failed(model: torch.nn.Module, error: Exception) -> str:
