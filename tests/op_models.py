@@ -518,3 +518,25 @@ class Einsums(nn.Module):
 
 def einsums():
     return Einsums(), (torch.randn(8, 4, 16),)
+
+
+class FilledFromLayers(nn.Module):
+    """A buffer made in forward, filled from layers through slices of it, then read as a
+    whole: ``out = zeros(…); out[:, :h] = a(x); out[:, h:] += b(x)``. From the first
+    update on, it needs the gradient the layers' outputs need."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+        self.b = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        out = torch.zeros(*x.shape[:-1], 2 * x.shape[-1])
+        out[..., : x.shape[-1]] = self.a(x)
+        out[..., x.shape[-1] :] += self.b(x)
+        return self.out(out)
+
+
+def filled_from_layers():
+    return FilledFromLayers(), (torch.randn(8, 4, 16),)

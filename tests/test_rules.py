@@ -139,6 +139,11 @@ def test_two_operand_einsums_trace_as_products_equal_to_einsum(
     torch.testing.assert_close(graph_module(x, y)[0], model(x, y), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["3d", "megatron", None])
+def test_a_buffer_made_in_forward_and_filled_from_layers_sends_their_gradient_back(strategy):
+    assert_equivalent(f"{OPS}:filled_from_layers", (2, 2, 2), strategy=strategy, steps=2)
+
+
 def test_an_image_convolution_splits_no_input_channel():
     # 3 colour channels divide no mesh axis: that axis splits the batch instead.
     model = nn.Conv2d(3, 16, kernel_size=4, stride=4)

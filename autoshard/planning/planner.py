@@ -52,6 +52,7 @@ from autoshard.strategies import (
     replicated_fallback,
     rule_for,
 )
+from autoshard.strategies.inplace import storage_written_by
 from autoshard.tracing.trace import Traced, module_path, structure, tensor_inputs
 
 
@@ -99,7 +100,7 @@ def entry_layout(val: torch.Tensor, family: str, mesh: Mesh) -> Layout:
     data-parallel axes, batch first: each rank reads only its share of the batch."""
     if family in NAMED:
         data, _ = parallel_axes(family, mesh)
-        tokens = val.ndim - 1 if val.dtype.is_floating_point else val.ndim
+        tokens = max(val.ndim - 1, 0) if val.dtype.is_floating_point else val.ndim
         split = batch_dims(tuple(val.shape[:tokens]), data, mesh)
         return Layout(split + ((),) * (val.ndim - tokens)).normalized(mesh)
     if family == "replicated" or val.ndim < 2 or not val.dtype.is_floating_point:
@@ -691,6 +692,9 @@ def _place(
             storage[inp.target] = stored[inp]
     first = node.meta["val"][0] if multi else node.meta["val"]
     needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and first.is_floating_point()
+    if needs_grad[node]:  # the storage it updates needs grad from now on, as in autograd
+        for shared in storage_written_by(node):  # (``out = zeros(n, k); out[:, :h] = layer(x)``)
+            needs_grad[shared] = True
     if multi:
         stored[node] = strategy.outputs
         out_steps, shape = [], ()

@@ -122,6 +122,12 @@ def _sharing(node: fx.Node) -> set[fx.Node]:
     return out
 
 
+def storage_written_by(node: fx.Node) -> set[fx.Node]:
+    """The nodes sharing the storage `node` updates in place (the tensor, its views and
+    its updates' results); none if `node` writes nothing in place."""
+    return _sharing(_owner(node)) if _writes_in_place(node) else set()
+
+
 def _after(node: fx.Node) -> list[fx.Node]:
     """The nodes after `node` in its graph, in order."""
     later, after = [], node.next
