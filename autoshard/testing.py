@@ -230,8 +230,11 @@ def _parallel_job(
 
 
 def _detached(step: _Step) -> _Step:
+    """`step` cut from autograd, and copied: an output may be a parameter itself
+    (``return y, self.weight``), which the optimizer's step then updates in place."""
+
     def detach(t):
-        return t.detach() if isinstance(t, torch.Tensor) else t
+        return t.detach().clone() if isinstance(t, torch.Tensor) else t
 
     return _Step(
         [detach(t) for t in step.outputs],
