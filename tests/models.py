@@ -280,3 +280,35 @@ def llama_batch8():
 
 def llama_kv4():
     return example_llama(n_kv_head=4)
+
+
+class ReturnsItsWeight(nn.Module):
+    """Returns a parameter itself beside its output, which the serial model's optimizer
+    step then updates in place: the comparison must hold what forward returned."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        return self.down(self.up(x)), self.down.weight
+
+
+def returns_its_weight():
+    return ReturnsItsWeight(), (torch.randn(4, 8, 16),)
+
+
+class ScaledByAScalar(nn.Module):
+    """A 0-d input (a temperature) that scales a layer's output."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x, temperature):
+        return self.proj(x) / temperature
+
+
+def scaled_by_a_scalar():
+    return ScaledByAScalar(), (torch.randn(4, 8, 16), torch.tensor(2.0))

@@ -44,6 +44,8 @@ COLUMN, ROW = Layout((("c",), ())), Layout(((), ("c",)))  # a weight [out, in] o
         (f"{MODELS}:llama_batch8", (1, 1, 8), "dp"),
         (f"{MODELS}:gpt_batch8", (2, 2, 2), {"*": "dp", "blocks.*.mlp.*": "megatron"}),
         (f"{ROOT}/tests/hf_zoo.py:llama", (2, 2, 2), "megatron"),
+        (f"{MODELS}:scaled_by_a_scalar", (2, 2, 2), "megatron"),  # a 0-d input
+        (f"{MODELS}:scaled_by_a_scalar", (2, 2, 2), "dp"),
     ],
     ids=lambda v: Path(v).name.replace(".py", "") if isinstance(v, str) else str(v),
 )
