@@ -157,7 +157,8 @@ class _Float64Kernels(TorchFunctionMode):
     (XGLM's ``torch.full(shape, torch.finfo(dtype).min)`` overflows float32 otherwise),
     and the ops that have no float64 CPU kernel computed exactly in float64 another
     way: ``torch._grouped_mm`` (Hugging Face's mixture-of-experts products), one
-    matrix product per group.
+    matrix product per group. A cast to a floating dtype (``.float()``, ``.to(torch.bfloat16)``,
+    ``softmax(x, dtype=torch.float32)``) is a cast to float64.
 
         with _Float64Kernels():
             reference(*inputs)   # a float64 Mixtral: no float64 kernel for its experts otherwise
@@ -176,7 +177,20 @@ class _Float64Kernels(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch._grouped_mm and args[0].dtype == torch.float64:
             return _grouped_mm(*args, **kwargs)
+        if func in _NARROWING:  # x.float(): the model's own cast to its working precision
+            return args[0].to(torch.float64)
+        args, kwargs = pytree.tree_map_only(torch.dtype, _widened, (args, kwargs))
         return func(*args, **kwargs)
+
+
+# Casts to a floating dtype, which the float64 reference makes to float64 instead (a
+# model that casts ``h.double().softmax(-1).float()`` would otherwise mix float32 into
+# its float64 layers).
+_NARROWING = frozenset({torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16})
+
+
+def _widened(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype.is_floating_point else dtype
 
 
 def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:

@@ -312,3 +312,21 @@ class ScaledByAScalar(nn.Module):
 
 def scaled_by_a_scalar():
     return ScaledByAScalar(), (torch.randn(4, 8, 16), torch.tensor(2.0))
+
+
+class CastsInForward(nn.Module):
+    """A softmax computed in float64 and cast back to float32, and a bfloat16 round trip
+    (``h.to(torch.bfloat16).float()``), as mixed-precision code writes them."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x).double().softmax(-1).float()
+        return self.down(h + 0.01 * h.to(torch.bfloat16).to(torch.float32))
+
+
+def casts_in_forward():
+    return CastsInForward(), (torch.randn(4, 8, 16),)

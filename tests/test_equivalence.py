@@ -48,6 +48,11 @@ def test_an_output_that_is_a_parameter_is_compared_as_forward_returned_it():
     assert {m.name for m in report if m.what == "output"} == {"0", "1"}
 
 
+def test_a_model_casting_to_float32_in_forward_has_a_float64_reference():
+    report = assert_equivalent(f"{MODELS}:casts_in_forward", (2, 2, 2), strategy="3d")
+    assert all(not math.isnan(m.serial_error) for m in report)
+
+
 def test_a_difference_is_caught():
     # `perturbed_mlp`'s serial reference has one weight off by 1e-3: the check must fail.
     with pytest.raises(AssertionError, match="differs from the serial model"):
