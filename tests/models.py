@@ -330,3 +330,19 @@ class CastsInForward(nn.Module):
 
 def casts_in_forward():
     return CastsInForward(), (torch.randn(4, 8, 16),)
+
+
+class SparseEmbedding(nn.Module):
+    """An embedding with sparse gradients (``sparse=True``), which no rule splits."""
+
+    def __init__(self, vocab=40, hidden=16):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, hidden, sparse=True)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, ids):
+        return self.proj(self.embedding(ids))
+
+
+def sparse_embedding():
+    return SparseEmbedding(), (torch.randint(0, 40, (4, 8)),)

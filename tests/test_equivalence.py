@@ -53,6 +53,13 @@ def test_a_model_casting_to_float32_in_forward_has_a_float64_reference():
     assert all(not math.isnan(m.serial_error) for m in report)
 
 
+def test_an_embedding_with_sparse_gradients_runs_replicated_and_matches_serial():
+    with pytest.warns(UserWarning, match="does not handle sparse=True"):
+        report = assert_equivalent(f"{MODELS}:sparse_embedding", (2, 2, 2), strategy="3d")
+    [grad] = {m.name for m in report if m.what == "grad" and m.name.startswith("embedding")}
+    assert grad == "embedding.weight"
+
+
 def test_a_difference_is_caught():
     # `perturbed_mlp`'s serial reference has one weight off by 1e-3: the check must fail.
     with pytest.raises(AssertionError, match="differs from the serial model"):

@@ -539,7 +539,7 @@ def gather_full_many(
     out, batch, size = {}, [], 0
     for name, (shard, dims) in shards.items():
         if not any(dims):
-            out[name] = shard.contiguous()
+            out[name] = shard if shard.is_sparse else shard.contiguous()
             continue
         nbytes = shard.numel() * shard.element_size()
         if batch and (size + nbytes) * world.numel() > GATHER_BYTES:
