@@ -6,6 +6,7 @@ factories with no arguments returning ``(model, example_inputs)``.
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -540,3 +541,27 @@ class FilledFromLayers(nn.Module):
 
 def filled_from_layers():
     return FilledFromLayers(), (torch.randn(8, 4, 16),)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Eight query heads over two key/value heads, as ``scaled_dot_product_attention(...,
+    enable_gqa=True)`` takes them (Hugging Face's sdpa attention, without repeating the
+    key and value heads): query head i reads key head i // 4."""
+
+    def __init__(self, hidden=32, heads=8, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+        self.o = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def grouped_query_attention():
+    return GroupedQueryAttention(), (torch.randn(4, 8, 32),)

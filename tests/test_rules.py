@@ -144,6 +144,12 @@ def test_a_buffer_made_in_forward_and_filled_from_layers_sends_their_gradient_ba
     assert_equivalent(f"{OPS}:filled_from_layers", (2, 2, 2), strategy=strategy, steps=2)
 
 
+@pytest.mark.parametrize("mesh", [(1, 2, 4), (2, 2, 2)])
+@pytest.mark.parametrize("strategy", ["3d", "megatron"])
+def test_grouped_query_attention_splits_query_heads_only_as_key_heads_split(mesh, strategy):
+    assert_equivalent(f"{OPS}:grouped_query_attention", mesh, strategy=strategy, steps=2)
+
+
 def test_an_image_convolution_splits_no_input_channel():
     # 3 colour channels divide no mesh axis: that axis splits the batch instead.
     model = nn.Conv2d(3, 16, kernel_size=4, stride=4)

@@ -84,6 +84,19 @@ def _query_layouts(ctx: Context) -> list[Layout]:
     return [moved, kept] if moved != kept else [kept]
 
 
+def _heads_key_and_value_follow(ctx: Context, q: Layout) -> Layout:
+    """`q` with its heads split over only as many of its axes (outermost first) as
+    also split the key's and value's heads: under grouped-query attention (fewer
+    key/value heads), query head i reads key head i // group, so a rank's query heads
+    need exactly the key heads of the same block. A single key head is read by all."""
+    heads = list(q.dims[1])
+    while heads and any(
+        ctx.shape(i)[1] != 1 and ctx.shape(i)[1] % ctx.mesh.count(heads) for i in (1, 2)
+    ):
+        heads.pop()
+    return Layout((q.dims[0], tuple(heads), *q.dims[2:]))
+
+
 @register(
     aten.scaled_dot_product_attention.default,
     flops=_attention_flops,
@@ -96,6 +109,7 @@ def sdpa(ctx: Context) -> list[Strategy]:
     candidates = []
     out_shape = ctx.out_shape
     for q in _query_layouts(ctx):
+        q = _heads_key_and_value_follow(ctx, q)
         inputs = [q]
         for i in range(1, len(ctx.inputs)):
             shape = ctx.shape(i)
