@@ -97,39 +97,48 @@ def test_the_rule_matches_serial(name, strategy):
 
 
 class _Einsum(nn.Module):
-    def __init__(self, equation, weight_shape, weight_first):
+    """``einsum(equation, x, y)``, where `y` is the module's parameter if `operand` says
+    so ("weight", or "weight first": ``einsum(equation, weight, x)``)."""
+
+    def __init__(self, equation, operand, weight_shape):
         super().__init__()
-        self.equation, self.weight_first = equation, weight_first
-        self.weight = nn.Parameter(torch.randn(weight_shape)) if weight_shape else None
+        self.equation, self.operand = equation, operand
+        by_weight = operand != "input"
+        self.weight = nn.Parameter(torch.randn(weight_shape)) if by_weight else None
 
     def forward(self, x, y):
-        operands = [x, self.weight if self.weight is not None else y]
-        return torch.einsum(self.equation, operands[::-1] if self.weight_first else operands)
+        if self.weight is None:
+            return torch.einsum(self.equation, x, y)
+        if self.operand == "weight first":
+            return torch.einsum(self.equation, self.weight, x)
+        return torch.einsum(self.equation, x, self.weight)
 
 
 @pytest.mark.parametrize(
-    "equation, shapes, weight_first, rewritten",
+    "equation, shapes, operand, rewritten",
     [
-        ("bld,hd->blh", [(2, 3, 4), (5, 4)], False, "linear"),
-        ("hd,bld->bhl", [(2, 3, 4), (5, 4)], True, "linear"),
-        ("bld,dh->blh", [(2, 3, 4), (4, 5)], False, "matmul"),
-        ("ibh,hnd->ibnd", [(3, 2, 4), (4, 2, 3)], False, "matmul"),
-        ("bind,bjnd->bnij", [(2, 3, 4, 5), (2, 6, 4, 5)], False, "matmul"),
-        ("bnij,jbnd->ibnd", [(2, 4, 3, 6), (6, 2, 4, 5)], False, "matmul"),
-        ("abcd,acde->abe", [(2, 3, 4, 5), (2, 4, 5, 6)], False, "matmul"),
-        ("bi,bj->bij", [(2, 3), (2, 4)], False, "matmul"),
-        ("ij,jk", [(2, 3), (3, 4)], False, "matmul"),  # implicit output: "ik"
-        ("ii,ij->j", [(3, 3), (3, 4)], False, None),  # a diagonal
-        ("ij,jk->i", [(2, 3), (3, 4)], False, None),  # k summed within one operand
-        ("bij,bjk->bik", [(1, 2, 3), (4, 3, 5)], False, None),  # b broadcast
-        ("...ij,...jk->...ik", [(2, 2, 3), (2, 3, 4)], False, None),  # an ellipsis
+        ("bld,hd->blh", [(2, 3, 4), (5, 4)], "weight", "linear"),
+        ("hd,bld->bhl", [(2, 3, 4), (5, 4)], "weight first", "linear"),
+        ("bld,dh->blh", [(2, 3, 4), (4, 5)], "weight", "matmul"),
+        ("ij,ij->", [(2, 3), (2, 3)], "weight", "matmul"),  # over both of its dims
+        ("ibh,hnd->ibnd", [(3, 2, 4), (4, 2, 3)], "weight", "matmul"),
+        ("bld,dh->blh", [(2, 3, 4), (4, 5)], "input", "matmul"),
+        ("bind,bjnd->bnij", [(2, 3, 4, 5), (2, 6, 4, 5)], "input", "matmul"),
+        ("bnij,jbnd->ibnd", [(2, 4, 3, 6), (6, 2, 4, 5)], "input", "matmul"),
+        ("abcd,acde->abe", [(2, 3, 4, 5), (2, 4, 5, 6)], "input", "matmul"),
+        ("bi,bj->bij", [(2, 3), (2, 4)], "input", "matmul"),
+        ("ij,jk", [(2, 3), (3, 4)], "input", "matmul"),  # implicit output: "ik"
+        ("ii,ij->j", [(3, 3), (3, 4)], "input", None),  # a diagonal
+        ("ij,jk->i", [(2, 3), (3, 4)], "input", None),  # k summed within one operand
+        ("bij,bjk->bik", [(1, 2, 3), (4, 3, 5)], "input", None),  # b broadcast
+        ("...ij,...jk->...ik", [(2, 2, 3), (2, 3, 4)], "input", None),  # an ellipsis
     ],
 )
 def test_two_operand_einsums_trace_as_products_equal_to_einsum(
-    equation, shapes, weight_first, rewritten
+    equation, shapes, operand, rewritten
 ):
     x_shape, y_shape = shapes
-    model = _Einsum(equation, y_shape if rewritten == "linear" else None, weight_first)
+    model = _Einsum(equation, operand, y_shape)
     x, y = torch.randn(x_shape), torch.randn(y_shape)
     graph_module = trace(model, (x, y)).graph_module
     ops = {n.target._opname for n in graph_module.graph.nodes if n.op == "call_function"}

@@ -222,7 +222,7 @@ def _rewrite_einsum(graph, node, a, b, out, operands, shapes) -> None:
     with graph.inserting_before(node):
         batched = [[c] for c in batch]
         left = arranged(x, a, batch + free_a + contracted, [*batched, *rows, contracted])
-        if not batch and y.op == "get_attr" and len(b) == 2 and b[1] in contracted:
+        if not batch and y.op == "get_attr" and len(b) == 2 and contracted == [b[1]]:
             product = call(aten.linear.default, left, y)
         else:
             right = arranged(y, b, batch + contracted + free_b, [*batched, contracted, free_b])
