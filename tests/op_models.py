@@ -565,3 +565,37 @@ class GroupedQueryAttention(nn.Module):
 
 def grouped_query_attention():
     return GroupedQueryAttention(), (torch.randn(4, 8, 32),)
+
+
+class UpdatesItsInput(nn.Module):
+    """Doubles its input in place, which the caller sees."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.up(x)
+
+
+def updates_its_input():
+    return UpdatesItsInput(), (torch.randn(8, 4, 16),)
+
+
+class CountsSteps(nn.Module):
+    """A 0-d buffer counted up in place in forward and read by a product that saves it
+    for backward (torch.export writes the buffer back with a copy into itself)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps += 1
+        return self.proj(x) * self.steps
+
+
+def counts_steps():
+    return CountsSteps(), (torch.randn(8, 4, 16),)

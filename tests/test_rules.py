@@ -159,6 +159,19 @@ def test_grouped_query_attention_splits_query_heads_only_as_key_heads_split(mesh
     assert_equivalent(f"{OPS}:grouped_query_attention", mesh, strategy=strategy, steps=2)
 
 
+def test_an_update_in_place_of_an_input_split_on_entry_is_refused_by_name():
+    with pytest.raises(StrategyError, match="node 'mul_' .* updates the model's input 'x'"):
+        assert_equivalent(f"{OPS}:updates_its_input", (2, 2, 2), strategy="3d")
+    # taken whole, the update reaches the caller's tensor, as in the serial model
+    assert_equivalent(f"{OPS}:updates_its_input", (2, 2, 2), strategy="replicated", steps=3)
+
+
+@pytest.mark.parametrize("strategy", ["3d", "dp", None])
+def test_a_buffer_counted_up_in_place_and_saved_by_a_product_trains_like_serial(strategy):
+    report = assert_equivalent(f"{OPS}:counts_steps", (2, 2, 2), strategy=strategy, steps=3)
+    assert "steps" in {m.name for m in report if m.what == "param"}
+
+
 def test_an_image_convolution_splits_no_input_channel():
     # 3 colour channels divide no mesh axis: that axis splits the batch instead.
     model = nn.Conv2d(3, 16, kernel_size=4, stride=4)

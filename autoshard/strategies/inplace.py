@@ -38,6 +38,7 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import register
+from autoshard.tracing.canonical import writes_in_place
 from autoshard.tracing.trace import argument
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def _is_view(node) -> bool:
 def _aliases_its_input(node: fx.Node) -> bool:
     """Whether `node`'s result shares its first operand's storage: a view, or an
     in-place result."""
-    return _is_view(node) or _writes_in_place(node)
+    return _is_view(node) or writes_in_place(node)
 
 
 def _owner(node: fx.Node) -> fx.Node:
@@ -125,7 +126,7 @@ def _sharing(node: fx.Node) -> set[fx.Node]:
 def storage_written_by(node: fx.Node) -> set[fx.Node]:
     """The nodes sharing the storage `node` updates in place (the tensor, its views and
     its updates' results); none if `node` writes nothing in place."""
-    return _sharing(_owner(node)) if _writes_in_place(node) else set()
+    return _sharing(_owner(node)) if writes_in_place(node) else set()
 
 
 def _after(node: fx.Node) -> list[fx.Node]:
@@ -162,10 +163,22 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
     arrives through a conversion, and the storage is read after the update other than
     through its result. The update lands on the converted copy, and those readers
     would miss it (``h[:, 0] = 0`` on a split ``h``: a ``fill_`` of a view, which no
-    rule claims)."""
+    rule claims). Also where the update is of a model input the plan splits on entry,
+    which would not reach the caller's tensor."""
     for node in graph.nodes:
         placed = plan.nodes.get(node.name)
-        if placed is None or not _writes_in_place(node) or not _runs_in_place(node, plan):
+        if placed is None or not writes_in_place(node):
+            continue
+        owner = _owner(node.args[0])
+        if owner.op == "placeholder" and plan.entry_steps.get(owner.name):
+            raise StrategyError(
+                f"node '{node.name}' ({node.target}) updates the model's input "
+                f"'{owner.name}' in place, which the plan splits on entry: each rank updates "
+                "its own shard, and the tensor the caller passed would not change as the "
+                f"serial model changes it. Write the update out of place ({owner.name} = "
+                f"{owner.name} * 2), or make it before calling the module"
+            )
+        if not _runs_in_place(node, plan):
             continue
         link, steps = node, ()
         while _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
@@ -191,19 +204,13 @@ def updated_in_place(value: fx.Node, plan) -> bool:
     place): a conversion of `value` made before the update is then not the value after
     it, and no reader after the update may share it."""
     return any(
-        _writes_in_place(n) and _runs_in_place(n, plan) for n in _sharing(_owner(value)) - {value}
+        writes_in_place(n) and _runs_in_place(n, plan) for n in _sharing(_owner(value)) - {value}
     )
 
 
 def _runs_in_place(node: fx.Node, plan) -> bool:
     placed = plan.nodes.get(node.name)
     return placed is None or placed.strategy.lowering is not OUT_OF_PLACE
-
-
-def _writes_in_place(node: fx.Node) -> bool:
-    return node.op == "call_function" and any(
-        r.alias_info is not None and r.alias_info.is_write for r in _returns(node)
-    )
 
 
 def _returns_its_input(node: fx.Node) -> bool:

@@ -17,6 +17,11 @@ blocks), traces as a copy detached in place (``aten.detach_``), which the in-pla
 would refuse as an update of a view: an in-place detach changes no value, only what
 autograd records, so it is ``aten.detach``, read by everything after it.
 
+A buffer updated in place in forward (``self.steps += 1``) is written back by
+torch.export as a copy of the updated buffer into itself, ``copy_(steps, add_)``:
+no value changes, but autograd's version counter does, and a product that saved
+the buffer for backward (``h * self.steps``) then fails there. That copy is dropped.
+
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)``.
 
@@ -79,6 +84,7 @@ def canonicalize(graph: fx.Graph) -> None:
     detach_out_of_place(graph)
     pad_convolutions_by_number(graph)
     einsum_as_products(graph)
+    drop_copies_into_themselves(graph)
 
 
 def pad_convolutions_by_number(graph: fx.Graph) -> None:
@@ -242,3 +248,22 @@ def _product(size: dict[str, int], letters: list[str]) -> int:
 
 def _value(arg):
     return arg.meta["val"] if isinstance(arg, fx.Node) else arg
+
+
+def drop_copies_into_themselves(graph: fx.Graph) -> None:
+    """``copy_(t, u)`` where `u` is `t` updated in place (``add_(t, 1)``, …), in place:
+    readers of the copy read `t`."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.copy_.default)):
+        target, source = node.args[:2]
+        while isinstance(source, fx.Node) and source is not target and writes_in_place(source):
+            source = source.args[0]
+        if source is target:
+            node.replace_all_uses_with(target)
+            graph.erase_node(node)
+
+
+def writes_in_place(node: fx.Node) -> bool:
+    """Whether `node` returns its first operand, updated in place (its schema says so)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    returns = schema.returns if schema is not None else ()
+    return any(r.alias_info is not None and r.alias_info.is_write for r in returns)
