@@ -213,6 +213,22 @@ def test_an_in_place_update_of_a_view_is_refused_by_name():
         autoshard.plan(UpdatesAView(), (2, 2, 2), (torch.randn(8, 8),), strategy="3d")
 
 
+class NormalizesItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.proj.weight.div_(self.proj.weight.norm())
+        return self.proj(x)
+
+
+def test_a_parameter_updated_in_place_in_forward_is_refused_naming_it():
+    with pytest.raises(StrategyError, match=r"updates parameter 'proj.weight' in place"):
+        autoshard.plan(NormalizesItsWeight(), (2, 2, 2), (torch.randn(8, 16),), strategy="3d")
+
+
 class UpdatesOneOfTwoSplits(nn.Module):
     def forward(self, x):
         h = x * 2

@@ -247,6 +247,14 @@ def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     owner = _owner(target)
     through_view = _is_view(target) and not _read_only_through(target, ctx.node)
+    if through_view and not _updatable_in_place(owner) and owner.op == "get_attr":
+        raise StrategyError(
+            f"node '{ctx.node.name}' ({ctx.node.target}) updates parameter '{owner.target}' "
+            f"in place in forward (through '{target.name}', {target.target}; under "
+            "torch.no_grad(), a detach); autoshard cannot carry an update through a view to "
+            "a parameter's shards. Update the parameter outside forward "
+            "(before calling the module, under torch.no_grad()), or make it a buffer"
+        )
     if through_view and not _updatable_in_place(owner):
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
