@@ -599,3 +599,28 @@ class CountsSteps(nn.Module):
 
 def counts_steps():
     return CountsSteps(), (torch.randn(8, 4, 16),)
+
+
+class Along(nn.Module):
+    """Ops that work along a dim and need it whole: a hand-written norm by variance, a
+    stable softmax by amax, logsumexp, std, prod, a cumulative product and log-sum,
+    a flip, and any/all masks, along features and along the sequence."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = (h - h.mean(-1, keepdim=True)) / (h.var(-1, keepdim=True, correction=0) + 1e-5).sqrt()
+        e = (h - h.amax(-1, keepdim=True)).exp()
+        h = e / e.sum(-1, keepdim=True) + h.std(1, keepdim=True) - h.logsumexp(-1, keepdim=True)
+        h = h + torch.sigmoid(h).cumprod(1) + h.logcumsumexp(1) + h.flip(1)
+        h = h + torch.sigmoid(h[..., :4]).prod(-1, keepdim=True)
+        keep = (h > -50).all(-1, keepdim=True) & (h < 50).any(1, keepdim=True)
+        return self.down(torch.where(keep, h, 0.0) + h.amin(1, keepdim=True))
+
+
+def along():
+    return Along(), (torch.randn(8, 4, 16),)

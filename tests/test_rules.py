@@ -1,4 +1,4 @@
-"""The rules the zoo needs (convolutions, pools, in-place ops, stack, repeats, roll, argmax,
+"""The rules the zoo needs (convolutions, pools, in-place ops, stack, repeats, ops along a dim,
 baddbmm, experts' grouped products, more pointwise ops) shard their op and match the
 serial model, values and gradients, on real gloo ranks."""
 
@@ -58,6 +58,19 @@ SHARDED = {
         "multiply": "aten.multiply.Tensor",
     },
     "alibi": {"baddbmm": "aten.baddbmm.default"},
+    "along": {
+        "var": "aten.var.correction",
+        "amax": "aten.amax.default",
+        "std": "aten.std.dim",
+        "logsumexp": "aten.logsumexp.default",
+        "cumprod": "aten.cumprod.default",
+        "logcumsumexp": "aten.logcumsumexp.default",
+        "flip": "aten.flip.default",
+        "prod": "aten.prod.dim_int",
+        "all_1": "aten.all.dim",
+        "any_1": "aten.any.dim",
+        "amin": "aten.amin.default",
+    },
     "einsums": {
         "einsum_matmul": "aten.matmul.default",
         "einsum_2_matmul": "aten.matmul.default",

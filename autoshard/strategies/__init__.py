@@ -26,7 +26,7 @@ or raises `Unclaimed` naming the argument value it has no sharded form for:
 """
 
 from autoshard.strategies import (  # noqa: F401  (each module registers its rules)
-    argmax,
+    along,
     attention,
     baddbmm,
     conv,
@@ -42,7 +42,6 @@ from autoshard.strategies import (  # noqa: F401  (each module registers its rul
     reduction,
     repeat,
     replicated,
-    roll,
     stack,
     views,
 )
