@@ -624,3 +624,32 @@ class Along(nn.Module):
 
 def along():
     return Along(), (torch.randn(8, 4, 16),)
+
+
+class Norms(nn.Module):
+    """torch's RMS norm (with and without a weight), then group and instance norms
+    over channels [B, C, S], and an instance norm that tracks running statistics."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.rms = nn.RMSNorm(hidden)
+        self.bare_rms = nn.RMSNorm(hidden, elementwise_affine=False)
+        self.groups = nn.GroupNorm(4, hidden)
+        self.instances = nn.InstanceNorm1d(hidden, affine=True)
+        self.tracked = nn.InstanceNorm1d(hidden, affine=True, track_running_stats=True)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.bare_rms(self.rms(self.up(x))).transpose(1, 2)
+        h = self.tracked(self.instances(self.groups(h)))
+        return self.down(h.transpose(1, 2))
+
+
+def norms():
+    return Norms(), (torch.randn(8, 4, 16),)
+
+
+def norms_eval():
+    model, inputs = norms()
+    return model.eval(), inputs

@@ -58,6 +58,13 @@ SHARDED = {
         "multiply": "aten.multiply.Tensor",
     },
     "alibi": {"baddbmm": "aten.baddbmm.default"},
+    "norms": {
+        "rms_norm": "aten.rms_norm.default",
+        "rms_norm_1": "aten.rms_norm.default",
+        "group_norm": "aten.group_norm.default",
+        "instance_norm": "aten.instance_norm.default",
+    },
+    "norms_eval": {"instance_norm_1": "aten.instance_norm.default"},
     "along": {
         "var": "aten.var.correction",
         "amax": "aten.amax.default",

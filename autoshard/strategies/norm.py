@@ -1,6 +1,7 @@
 """Layer norm over sharded features: each rank's statistics combined over the feature
 axes, one collective per axis each way (`autoshard.runtime.ops.layer_norm`), or
-features gathered first."""
+features gathered first. RMS norm over its features gathered; group and instance
+norms within each sample, the batch split."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from torch.ops import aten
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.runtime import ops
-from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.registry import (
     STATISTIC_BYTES,
     itemsize,
+    keeps_input,
     normalizing_flops,
     numel,
     register,
@@ -60,7 +62,37 @@ def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 
 # over features split across mesh axes: statistics combined over them
 LAYER_NORM = Lowering("layer_norm", _sharded_features, saved=_sharded_features_saved)
-register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)()
+
+
+@register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)
+def rms_norm(ctx: Context) -> list[Strategy]:
+    """Over its normalized (last) dims gathered; the rows keep their shards."""
+    x = ctx.layout(0)
+    k = len(argument(ctx.node, "normalized_shape"))
+    whole = Layout(x.dims[:-k] + ((),) * k)
+    return [make("follow", [whole, *_replicated_operands(ctx)], whole)]
+
+
+@register(aten.group_norm.default, flops=normalizing_flops, saved=keeps_input)
+@register(aten.instance_norm.default, flops=normalizing_flops, saved=keeps_input)
+def per_sample_norm(ctx: Context) -> list[Strategy]:
+    """Group and instance norms compute their statistics within each sample: the batch
+    keeps its shards, channels and space are gathered. An instance norm that updates
+    running statistics from the batch (training with ``track_running_stats``) is not
+    claimed: each rank would average its own samples."""
+    if ctx.node.target == aten.instance_norm.default:
+        tracked = argument(ctx.node, "running_mean") is not None
+        if tracked and argument(ctx.node, "use_input_stats"):
+            raise Unclaimed("running statistics updated from the batch")
+    x = ctx.layout(0)
+    whole = Layout(x.dims[:1] + ((),) * (len(x.dims) - 1))
+    return [make("follow", [whole, *_replicated_operands(ctx)], whole)]
+
+
+def _replicated_operands(ctx: Context) -> list[Layout]:
+    """Whole layouts for the node's tensor operands after the first (weights, biases,
+    running statistics)."""
+    return [Layout.replicated(len(ctx.shape(i))) for i in range(1, len(ctx.inputs))]
 
 
 @register(
