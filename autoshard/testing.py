@@ -179,7 +179,8 @@ class _Float64Kernels(TorchFunctionMode):
             return _grouped_mm(*args, **kwargs)
         if func in _NARROWING:  # x.float(): the model's own cast to its working precision
             return args[0].to(torch.float64)
-        args, kwargs = pytree.tree_map_only(torch.dtype, _widened, (args, kwargs))
+        if func is not torch.Tensor.view:  # x.view(dtype) reinterprets bits: as it is
+            args, kwargs = pytree.tree_map_only(torch.dtype, _widened, (args, kwargs))
         return func(*args, **kwargs)
 
 

@@ -604,7 +604,8 @@ def counts_steps():
 class Along(nn.Module):
     """Ops that work along a dim and need it whole: a hand-written norm by variance, a
     stable softmax by amax, logsumexp, std, prod, a cumulative product and log-sum,
-    a flip, and any/all masks, along features and along the sequence."""
+    a flip, rows selected by an index, and any/all masks, along features and along
+    the sequence."""
 
     def __init__(self, hidden=16):
         super().__init__()
@@ -618,6 +619,8 @@ class Along(nn.Module):
         h = e / e.sum(-1, keepdim=True) + h.std(1, keepdim=True) - h.logsumexp(-1, keepdim=True)
         h = h + torch.sigmoid(h).cumprod(1) + h.logcumsumexp(1) + h.flip(1)
         h = h + torch.sigmoid(h[..., :4]).prod(-1, keepdim=True)
+        h = h + h.index_select(1, torch.arange(h.shape[1] - 1, -1, -1))
+        h = h + h.mean().cumprod(0) + h.sum().amax(0) * 1e-3 + h.flip([])  # 0-d, no dims
         keep = (h > -50).all(-1, keepdim=True) & (h < 50).any(1, keepdim=True)
         return self.down(torch.where(keep, h, 0.0) + h.amin(1, keepdim=True))
 

@@ -77,6 +77,7 @@ SHARDED = {
         "all_1": "aten.all.dim",
         "any_1": "aten.any.dim",
         "amin": "aten.amin.default",
+        "index_select": "aten.index_select.default",
     },
     "einsums": {
         "einsum_matmul": "aten.matmul.default",
@@ -247,6 +248,22 @@ class NormalizesItsWeight(nn.Module):
 def test_a_parameter_updated_in_place_in_forward_is_refused_naming_it():
     with pytest.raises(StrategyError, match=r"updates parameter 'proj.weight' in place"):
         autoshard.plan(NormalizesItsWeight(), (2, 2, 2), (torch.randn(8, 16),), strategy="3d")
+
+
+class FillsABuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(8, 32))
+
+    def forward(self, x):
+        self.cache[:, :16] = self.proj(x)
+        return self.cache * 2
+
+
+def test_a_buffer_written_in_place_with_a_value_that_needs_grad_is_refused_naming_it():
+    with pytest.raises(StrategyError, match=r"into buffer 'cache' in place"):
+        autoshard.plan(FillsABuffer(), (2, 2, 2), (torch.randn(8, 16),), strategy="3d")
 
 
 class UpdatesOneOfTwoSplits(nn.Module):

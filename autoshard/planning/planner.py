@@ -694,6 +694,14 @@ def _place(
     needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and first.is_floating_point()
     if needs_grad[node]:  # the storage it updates needs grad from now on, as in autograd
         for shared in storage_written_by(node):  # (``out = zeros(n, k); out[:, :h] = layer(x)``)
+            if shared.op == "get_attr":
+                raise StrategyError(
+                    f"node '{node.name}' ({node.target}) writes a value that needs a gradient "
+                    f"into buffer '{shared.target}' in place: the buffer would carry this "
+                    "step's autograd graph into the next (the serial model's second backward "
+                    "fails too). Write into a copy (h = buffer.clone(), then update h), or "
+                    "detach the value"
+                )
             needs_grad[shared] = True
     if multi:
         stored[node] = strategy.outputs

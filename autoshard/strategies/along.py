@@ -1,13 +1,15 @@
 """Ops that work along some dims of their input and need each of those whole on a
-rank (a maximum, a variance, a scan, a flip, a roll, an index of the largest): those
-dims are gathered, the others keep their shards.
+rank (a maximum, a variance, a scan, a flip, a roll, an index of the largest, a
+selection of rows by an index): those dims are gathered, the others keep their
+shards; an index operand is whole.
 
     x.amax(-1)             # x [B, S, H] split over B and H: H gathered, B stays split
     x.flip(1)              # S whole, B and H as they come
 
-With no dims named, an op works along every dim (the flattened tensor): nothing is
-split. A dim kept in the result (``keepdim=True``, or an op that keeps the input's
-shape) stays whole there.
+With no dims named, an op works along every dim (the flattened tensor), so nothing
+is split; but ``flip(x, [])``, ``any(x, [])`` and ``all(x, [])`` work along none. A
+dim kept in the result (``keepdim=True``, or an op that keeps the input's shape)
+stays whole there. A 0-d input is whole.
 """
 
 from __future__ import annotations
@@ -15,27 +17,24 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make, whole_operands
 from autoshard.strategies.registry import keeps_input, register
 from autoshard.tracing.trace import argument
 
 
 def _keeps_input_and_output(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """Backward needs the input and the result: amax's mask of the maxima, logsumexp's
-    softmax, prod's quotient."""
+    softmax, prod's quotient, std's divisor."""
     return Saved((0,), output=True)
 
 
 # op → the argument naming the dims it works along
 _INDICES = {aten.argmax.default: "dim", aten.argmin.default: "dim"}
 _MOVES = {aten.roll.default: "dims", aten.flip.default: "dims"}
-_KEEP_INPUT = {
-    aten.var.correction: "dim",
-    aten.var.dim: "dim",
+_KEEP_INPUT = {aten.var.correction: "dim", aten.var.dim: "dim"}
+_KEEP_BOTH = {
     aten.std.correction: "dim",
     aten.std.dim: "dim",
-}
-_KEEP_BOTH = {
     aten.amax.default: "dim",
     aten.amin.default: "dim",
     aten.logsumexp.default: "dim",
@@ -49,24 +48,38 @@ _TESTS = {
     aten.all.dim: "dim",
     aten.all.dims: "dim",
 }
-_DIMS = {**_INDICES, **_MOVES, **_KEEP_INPUT, **_KEEP_BOTH, **_TESTS}
+# an empty list of dims names none: these return their input as it is
+_NONE_IF_EMPTY = frozenset({aten.flip.default, aten.any.dims, aten.all.dims})
+_SELECTIONS = {aten.index_select.default: "dim"}  # rows of a sinusoidal table, by an index
+_DIMS = {**_INDICES, **_MOVES, **_KEEP_INPUT, **_KEEP_BOTH, **_TESTS, **_SELECTIONS}
 
 
 def along(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(x.dims)
+    if nd == 0:
+        return [make("follow", [x, *whole_operands(ctx, 1)], Layout.replicated(len(ctx.out_shape)))]
     named = argument(ctx.node, _DIMS[ctx.node.target])
     named = [named] if isinstance(named, int) else named
-    worked = {d % nd for d in named} if named else set(range(nd))
+    if named:
+        worked = {d % nd for d in named}
+    else:  # no dims: every one (the flattened tensor), or none where the op says so
+        worked = set() if ctx.node.target in _NONE_IF_EMPTY else set(range(nd))
     whole = Layout(tuple(() if d in worked else axes for d, axes in enumerate(x.dims)))
-    if len(ctx.out_shape) == nd:  # keepdim, a scan, a flip, a roll
-        return [make("follow", [whole], whole)]
+    inputs = [whole, *whole_operands(ctx, 1)]  # an index whole
+    if len(ctx.out_shape) == nd:  # keepdim, a scan, a flip, a roll, a selection
+        return [make("follow", inputs, whole)]
     if len(ctx.out_shape) != nd - len(worked):
         raise Unclaimed(f"{_DIMS[ctx.node.target]}={named} for a result of shape {ctx.out_shape}")
     out = Layout(tuple(axes for d, axes in enumerate(whole.dims) if d not in worked))
-    return [make("follow", [whole], out)]
+    return [make("follow", inputs, out)]
+
+
+def _keeps_index(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    return Saved((1,))
 
 
 register(*_INDICES, *_MOVES, *_TESTS)(along)
+register(*_SELECTIONS, saved=_keeps_index)(along)
 register(*_KEEP_INPUT, saved=keeps_input)(along)
 register(*_KEEP_BOTH, saved=_keeps_input_and_output)(along)

@@ -180,8 +180,14 @@ class Unclaimed(Exception):
 Rule = Callable[[Context], list[Strategy]]
 
 
+def whole_operands(ctx: Context, start: int = 0) -> list[Layout]:
+    """Replicated layouts for the node's tensor inputs from the `start`-th on (weights,
+    biases, running statistics, indices)."""
+    return [Layout.replicated(len(ctx.shape(i))) for i in range(start, len(ctx.inputs))]
+
+
 def replicated_fallback(ctx: Context) -> list[Strategy]:
-    inputs = [Layout.replicated(len(ctx.shape(i))) for i in range(len(ctx.inputs))]
+    inputs = whole_operands(ctx)
     val = ctx.node.meta["val"]
     # an op with several outputs (topk: values and indices) lays out each of them
     several = isinstance(val, (tuple, list))

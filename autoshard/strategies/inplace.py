@@ -175,8 +175,8 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
                 f"node '{node.name}' ({node.target}) updates the model's input "
                 f"'{owner.name}' in place, which the plan splits on entry: each rank updates "
                 "its own shard, and the tensor the caller passed would not change as the "
-                f"serial model changes it. Write the update out of place ({owner.name} = "
-                f"{owner.name} * 2), or make it before calling the module"
+                f"serial model changes it. Update a copy ({owner.name} = {owner.name}.clone() "
+                "first) or write it out of place, or make the update before calling the module"
             )
         if not _runs_in_place(node, plan):
             continue
@@ -247,15 +247,15 @@ def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     owner = _owner(target)
     through_view = _is_view(target) and not _read_only_through(target, ctx.node)
-    if through_view and not _updatable_in_place(owner) and owner.op == "get_attr":
-        raise StrategyError(
-            f"node '{ctx.node.name}' ({ctx.node.target}) updates parameter '{owner.target}' "
-            f"in place in forward (through '{target.name}', {target.target}; under "
-            "torch.no_grad(), a detach); autoshard cannot carry an update through a view to "
-            "a parameter's shards. Update the parameter outside forward "
-            "(before calling the module, under torch.no_grad()), or make it a buffer"
-        )
     if through_view and not _updatable_in_place(owner):
+        if owner.op == "get_attr":
+            raise StrategyError(
+                f"node '{ctx.node.name}' ({ctx.node.target}) updates parameter "
+                f"'{owner.target}' in place in forward{_through(target)}; autoshard cannot "
+                "carry an update through a view to a parameter's shards. Update the "
+                "parameter outside forward (before calling the module, under "
+                "torch.no_grad()), or make it a buffer"
+            )
         raise StrategyError(
             f"node '{ctx.node.name}' ({ctx.node.target}) updates '{target.name}', a view made "
             f"by {target.target}, in place; autoshard cannot carry that update to the viewed "
@@ -268,6 +268,14 @@ def in_place(ctx: Context) -> list[Strategy]:
     # (an update of an update of a buffer, `ema.mul_(0.9).add_(x)`, reaches the buffer)
     lowering = OUT_OF_PLACE if owner.op == "call_function" and not through_view else None
     return [make("follow", inputs, out, lowering=lowering, detail="in place")]
+
+
+def _through(view: fx.Node) -> str:
+    """How an update reaches a parameter, as the user wrote it: a detach is what
+    ``torch.no_grad()`` makes, not a view of the user's."""
+    if view.target in (aten.detach.default, aten.alias.default):
+        return " (under torch.no_grad())"
+    return f" (through '{view.name}', {view.target})"
 
 
 def _updatable_in_place(owner: fx.Node) -> bool:

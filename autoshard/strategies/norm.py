@@ -14,7 +14,15 @@ from torch.ops import aten
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.runtime import ops
-from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
+from autoshard.strategies.base import (
+    Context,
+    Lowering,
+    Saved,
+    Strategy,
+    Unclaimed,
+    make,
+    whole_operands,
+)
 from autoshard.strategies.registry import (
     STATISTIC_BYTES,
     itemsize,
@@ -70,7 +78,7 @@ def rms_norm(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     k = len(argument(ctx.node, "normalized_shape"))
     whole = Layout(x.dims[:-k] + ((),) * k)
-    return [make("follow", [whole, *_replicated_operands(ctx)], whole)]
+    return [make("follow", [whole, *whole_operands(ctx, 1)], whole)]
 
 
 @register(aten.group_norm.default, flops=normalizing_flops, saved=keeps_input)
@@ -86,13 +94,7 @@ def per_sample_norm(ctx: Context) -> list[Strategy]:
             raise Unclaimed("running statistics updated from the batch")
     x = ctx.layout(0)
     whole = Layout(x.dims[:1] + ((),) * (len(x.dims) - 1))
-    return [make("follow", [whole, *_replicated_operands(ctx)], whole)]
-
-
-def _replicated_operands(ctx: Context) -> list[Layout]:
-    """Whole layouts for the node's tensor operands after the first (weights, biases,
-    running statistics)."""
-    return [Layout.replicated(len(ctx.shape(i))) for i in range(1, len(ctx.inputs))]
+    return [make("follow", [whole, *whole_operands(ctx, 1)], whole)]
 
 
 @register(

@@ -31,9 +31,10 @@ reshapes, which the rules do know (index letters: batch in both operands and the
 output, contracted in both only, free in one and the output):
 
     # before                                  # after
-    einsum = aten.einsum("bind,bjnd->bnij",   permute = aten.permute(q, [0, 2, 1, 3])
-                         [q, k])              permute_1 = aten.permute(k, [0, 2, 3, 1])
-                                              einsum = aten.matmul(permute, permute_1)
+    einsum = aten.einsum("bind,bjnd->bnij",   einsum_permute = aten.permute(q, [0, 2, 1, 3])
+                         [q, k])              einsum_permute_1 = aten.permute(k, [0, 2, 3, 1])
+                                              einsum_matmul = aten.matmul(einsum_permute,
+                                                                          einsum_permute_1)
 
 and where one operand is a 2-D parameter and nothing is batched, a layer:
 ``einsum("bld,hd->blh", x, weight)`` is ``aten.linear(x, weight)``.
@@ -192,7 +193,9 @@ def _product_indices(node: fx.Node) -> tuple | None:
     shapes = [tuple(op.meta["val"].shape) for op in operands]
     if any(len(set(s)) != len(s) for s in (a, b, out)) or set(out) - set(a + b):
         return None
-    if (len(a), len(b)) != tuple(map(len, shapes)) or set(a + b) - set(out) - (set(a) & set(b)):
+    if (len(a), len(b)) != tuple(map(len, shapes)):
+        return None
+    if set(a + b) - set(out) - (set(a) & set(b)):
         return None  # summed within one operand
     size = dict(zip(a, shapes[0]))
     if any(size.get(c, n) != n for c, n in zip(b, shapes[1])):
