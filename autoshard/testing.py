@@ -167,27 +167,33 @@ class _Float64Kernels(TorchFunctionMode):
     def __enter__(self):
         self._default = torch.get_default_dtype()
         torch.set_default_dtype(torch.float64)
+        self._casts = _WidenedCasts().__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.set_default_dtype(self._default)
+        self._casts.__exit__(*exc)
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch._grouped_mm and args[0].dtype == torch.float64:
             return _grouped_mm(*args, **kwargs)
-        if func in _NARROWING:  # x.float(): the model's own cast to its working precision
-            return args[0].to(torch.float64)
-        if func is not torch.Tensor.view:  # x.view(dtype) reinterprets bits: as it is
-            args, kwargs = pytree.tree_map_only(torch.dtype, _widened, (args, kwargs))
         return func(*args, **kwargs)
 
 
-# Casts to a floating dtype, which the float64 reference makes to float64 instead (a
-# model that casts ``h.double().softmax(-1).float()`` would otherwise mix float32 into
-# its float64 layers).
-_NARROWING = frozenset({torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16})
+class _WidenedCasts(TorchDispatchMode):
+    """Every floating dtype an ATen call is given is float64 (a model that casts
+    ``h.double().softmax(-1).float()`` would otherwise mix float32 into its float64
+    layers), but a reinterpretation of bits (``x.view(dtype)``). At the ATen level,
+    where backward's recomputation of a checkpointed block runs too, casting as
+    its forward did."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.view.dtype:
+            args, kwargs = pytree.tree_map_only(torch.dtype, _widened, (args, kwargs))
+        return func(*args, **kwargs)
 
 
 def _widened(dtype: torch.dtype) -> torch.dtype:
@@ -212,8 +218,8 @@ def _grouped_mm(a, b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
 
 
 def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimizer, mode=None):
-    """`steps` optimizer steps of `program` on `inputs` (its forward under the
-    TorchFunctionMode `mode`, if any): what each step computed, and the state after
+    """`steps` optimizer steps of `program` on `inputs` (its forward and backward under
+    the mode `mode`, if any): what each step computed, and the state after
     them. `grads_of()` gives the parameter gradients by name."""
     optimizer = torch_optimizer(program.parameters(), lr=lr)
     computed = []
@@ -221,7 +227,7 @@ def _train(program, inputs: tuple, grads_of, steps: int, lr: float, torch_optimi
         torch.manual_seed(100 + step)  # the same dropout masks in every program
         with mode if mode is not None else contextlib.nullcontext():
             result = program(*inputs)
-        _loss(result).backward()
+            _loss(result).backward()  # where it recomputes (checkpointed blocks), as forward
         computed.append(_detached(_Step(_leaves(result), grads_of(), [t.grad for t in inputs])))
         for t in inputs:
             t.grad = None

@@ -346,3 +346,26 @@ class SparseEmbedding(nn.Module):
 
 def sparse_embedding():
     return SparseEmbedding(), (torch.randint(0, 40, (4, 8)),)
+
+
+class CheckpointedCasts(nn.Module):
+    """A block under activation checkpointing that casts to float32 inside (as Hugging
+    Face's RMS norms do, with ``gradient_checkpointing_enable()``): backward recomputes
+    it, casting as forward did."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def block(self, x):
+        h = self.up(x)
+        scale = h.to(torch.float32).pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+        return h * scale.to(h.dtype)
+
+    def forward(self, x):
+        return self.down(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def checkpointed_casts():
+    return CheckpointedCasts(), (torch.randn(4, 8, 16),)

@@ -53,6 +53,11 @@ def test_a_model_casting_to_float32_in_forward_has_a_float64_reference():
     assert all(not math.isnan(m.serial_error) for m in report)
 
 
+def test_a_checkpointed_block_casting_inside_has_a_float64_reference():
+    report = assert_equivalent(f"{MODELS}:checkpointed_casts", (2, 2, 2), strategy="3d")
+    assert all(not math.isnan(m.serial_error) for m in report)
+
+
 def test_an_embedding_with_sparse_gradients_runs_replicated_and_matches_serial():
     with pytest.warns(UserWarning, match="does not handle sparse=True"):
         report = assert_equivalent(f"{MODELS}:sparse_embedding", (2, 2, 2), strategy="3d")
