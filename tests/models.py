@@ -90,8 +90,8 @@ def indivisible_mlp():
     return example_mlp(batch=8, seq=4, hidden=5, layers=1, dropout=0.0)
 
 
-class Flipped(nn.Module):
-    """aten.flip has no sharding rule: it must run replicated, with a warning."""
+class CumulativeMax(nn.Module):
+    """aten.cummax has no sharding rule: it must run replicated, with a warning."""
 
     def __init__(self):
         super().__init__()
@@ -99,11 +99,11 @@ class Flipped(nn.Module):
         self.fc2 = nn.Linear(32, 16)
 
     def forward(self, x):
-        return self.fc2(torch.flip(self.fc1(x), dims=[-1]))
+        return self.fc2(torch.cummax(self.fc1(x), dim=-1).values)
 
 
-def flipped():
-    return Flipped(), (torch.randn(8, 4, 16),)
+def cumulative_max():
+    return CumulativeMax(), (torch.randn(8, 4, 16),)
 
 
 class PaddedEmbeddings(nn.Module):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch.ops import aten
 
 from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
@@ -656,6 +657,24 @@ def _input_steps(ctx: Context, strategy, stored, needs_grad, mesh) -> list[list]
     return steps
 
 
+def _writes_a_gradient(node: fx.Node, needs_grad: dict[fx.Node, bool]) -> bool:
+    """Whether what `node` writes in place (its operands after the first) needs grad: it
+    is computed from an input or parameter that needs grad through no detach (a value
+    entering a ``torch.no_grad()`` region is detached: an average kept in a buffer)."""
+    seen, stack = set(), list(tensor_inputs(node)[1:])
+    while stack:
+        here = stack.pop()
+        if here in seen or here.target is aten.detach.default:
+            continue
+        seen.add(here)
+        if here.op in ("placeholder", "get_attr"):
+            if needs_grad.get(here):
+                return True
+            continue
+        stack += here.all_input_nodes
+    return False
+
+
 def _place(
     node, ctx, candidates, stored, needs_grad, storage, mesh, knobs: Knobs, chosen=None
 ) -> NodePlan:
@@ -692,8 +711,10 @@ def _place(
             storage[inp.target] = stored[inp]
     first = node.meta["val"][0] if multi else node.meta["val"]
     needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and first.is_floating_point()
-    if needs_grad[node]:  # the storage it updates needs grad from now on, as in autograd
-        for shared in storage_written_by(node):  # (``out = zeros(n, k); out[:, :h] = layer(x)``)
+    written = storage_written_by(node)
+    if written and _writes_a_gradient(node, needs_grad):
+        # the storage it updates needs grad from now on, as in autograd
+        for shared in written:  # (``out = zeros(n, k); out[:, :h] = layer(x)``)
             if shared.op == "get_attr":
                 raise StrategyError(
                     f"node '{node.name}' ({node.target}) writes a value that needs a gradient "
