@@ -32,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
-from torch.ops import aten
 
 from autoshard.errors import ShapeError, StrategyError
 from autoshard.layout import Layout, redistribute, steps_ring_bytes
@@ -53,7 +52,7 @@ from autoshard.strategies import (
     replicated_fallback,
     rule_for,
 )
-from autoshard.strategies.inplace import storage_written_by
+from autoshard.strategies.inplace import leaves_read, storage_written_by
 from autoshard.tracing.trace import Traced, module_path, structure, tensor_inputs
 
 
@@ -661,18 +660,8 @@ def _writes_a_gradient(node: fx.Node, needs_grad: dict[fx.Node, bool]) -> bool:
     """Whether what `node` writes in place (its operands after the first) needs grad: it
     is computed from an input or parameter that needs grad through no detach (a value
     entering a ``torch.no_grad()`` region is detached: an average kept in a buffer)."""
-    seen, stack = set(), list(tensor_inputs(node)[1:])
-    while stack:
-        here = stack.pop()
-        if here in seen or here.target is aten.detach.default:
-            continue
-        seen.add(here)
-        if here.op in ("placeholder", "get_attr"):
-            if needs_grad.get(here):
-                return True
-            continue
-        stack += here.all_input_nodes
-    return False
+    written = list(tensor_inputs(node)[1:])
+    return any(needs_grad.get(leaf) for leaf in leaves_read(written, past_detach=False))
 
 
 def _place(

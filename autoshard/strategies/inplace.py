@@ -38,7 +38,7 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import register
-from autoshard.tracing.canonical import writes_in_place
+from autoshard.tracing.canonical import schema_returns, writes_in_place
 from autoshard.tracing.trace import argument
 
 if TYPE_CHECKING:
@@ -81,12 +81,6 @@ def out_of_place(op):
     return getattr(packet, op._overloadname)
 
 
-def _returns(node: fx.Node) -> tuple:
-    """The results its op's schema declares (none for what has no schema)."""
-    schema = getattr(node.target, "_schema", None)
-    return tuple(schema.returns) if schema is not None else ()
-
-
 def _is_view(node) -> bool:
     """Whether `node` returns a view of another tensor (an in-place op's result, which
     its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
@@ -95,7 +89,7 @@ def _is_view(node) -> bool:
     if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to:
         return _returns_its_input(node)
     return node.op == "call_function" and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in _returns(node)
+        r.alias_info is not None and not r.alias_info.is_write for r in schema_returns(node)
     )
 
 
@@ -293,12 +287,19 @@ def _updatable_in_place(owner: fx.Node) -> bool:
 def _made_of_no_input(node: fx.Node) -> bool:
     """Whether `node` is computed from no input, parameter or buffer: nothing in it
     needs a gradient, and every rank computes it alike."""
-    seen, stack = set(), [node]
+    return next(leaves_read([node]), None) is None
+
+
+def leaves_read(nodes: list[fx.Node], past_detach: bool = True):
+    """The inputs, parameters and buffers `nodes` are computed from (lazily, each
+    once); with `past_detach` False, not those read only through a detach."""
+    seen, stack = set(), list(nodes)
     while stack:
         here = stack.pop()
-        if here not in seen:
-            if here.op in ("placeholder", "get_attr"):
-                return False
-            seen.add(here)
+        if here in seen or (not past_detach and here.target is aten.detach.default):
+            continue
+        seen.add(here)
+        if here.op in ("placeholder", "get_attr"):
+            yield here
+        else:
             stack += here.all_input_nodes
-    return True

@@ -267,6 +267,10 @@ def drop_copies_into_themselves(graph: fx.Graph) -> None:
 
 def writes_in_place(node: fx.Node) -> bool:
     """Whether `node` returns its first operand, updated in place (its schema says so)."""
+    return any(r.alias_info is not None and r.alias_info.is_write for r in schema_returns(node))
+
+
+def schema_returns(node: fx.Node) -> tuple:
+    """The results the schema of `node`'s op declares (none for what has no schema)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    returns = schema.returns if schema is not None else ()
-    return any(r.alias_info is not None and r.alias_info.is_write for r in returns)
+    return tuple(schema.returns) if schema is not None else ()
