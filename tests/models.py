@@ -369,3 +369,42 @@ class CheckpointedCasts(nn.Module):
 
 def checkpointed_casts():
     return CheckpointedCasts(), (torch.randn(4, 8, 16),)
+
+
+class NormedBlock(nn.Module):
+    """A block whose batch norm, in training, updates its running statistics and
+    counts its batches: buffers made outside the block, updated in place."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.norm = nn.BatchNorm1d(4 * d)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class NormedBlocks(nn.Module):
+    def __init__(self, d: int = 16, depth: int = 4):
+        super().__init__()
+        kinds = (NormedBlock, PlainBlock)
+        self.blocks = nn.ModuleList(kinds[i % 2](d) for i in range(depth))
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def normed_blocks():
+    return NormedBlocks(), (torch.randn(32, 16),)

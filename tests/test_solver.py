@@ -516,3 +516,32 @@ def test_a_problem_restricted_to_one_family_is_that_family_built_alone():
         )
     with pytest.raises(autoshard.errors.StrategyError, match="no option"):
         alone.restricted(("3d",))
+
+
+NORMED = f"{ROOT}/tests/models.py:normed_blocks"
+
+
+def test_a_block_that_updates_a_buffer_in_place_is_never_recomputed():
+    """A replay in backward would update a batch norm's running statistics, and count
+    its batches, a second time (and autograd refuses a replay from a buffer changed
+    since forward): under a budget that forces recomputation the solver recomputes the
+    other blocks, never those, and a plan that recomputes one is refused by name."""
+    problem = _problem(NORMED)
+    normed = {u for u in problem.units if u.startswith(("blocks.0", "blocks.2"))}
+    plain = {u for u in problem.units if u.startswith(("blocks.1", "blocks.3"))}
+    assert normed and plain
+    for u in normed:
+        assert not any(o.checkpoint for o in problem.options[u])
+    for u in plain:
+        assert any(o.checkpoint for o in problem.options[u])
+    compiled = _compiled(NORMED, _tight_budget(NORMED))
+    plan = compiled.plan
+    recomputed = {plan.nodes[name].module.split(".")[1] for name in plan.regions}
+    assert recomputed and recomputed <= {"1", "3"}
+    assert_equivalent(NORMED, MESH, compiled=compiled, steps=3)
+    everything = dataclasses.replace(plan, regions=dict.fromkeys(plan.nodes, "all"))
+    model, inputs = load_factory(NORMED)()
+    with pytest.raises(
+        autoshard.PlanError, match=r"updates buffer 'blocks\.0\.norm\.\w+' in place"
+    ):
+        autoshard.compile(model, MESH, inputs, plan=everything)

@@ -115,7 +115,7 @@ from autoshard.planning.planner import (
     plan_graph,
     replanned,
 )
-from autoshard.planning.units import EPILOGUE, in_block, kept_resident, units_of
+from autoshard.planning.units import EPILOGUE, in_block, kept_resident, units_of, updated_outside
 from autoshard.strategies import NAMED
 from autoshard.tracing.trace import Traced, tensor_inputs
 
@@ -377,6 +377,11 @@ def build_problem(
     }
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
     known: dict[tuple, _UnitCost] = {}
+    replayable = {
+        u
+        for u in units
+        if in_block(u) and not updated_outside(traced, plans[families[0], ()], members[u])
+    }
     signatures = _Signatures(traced, plans, members)
     users = first_users(traced, plans[families[0], ()])  # every variant plans every node
     for (family, order), plan in plans.items():
@@ -405,7 +410,8 @@ def build_problem(
                         resident[family, order],
                         unit,
                     )
-                _add_options(problem, u, members[u], family, order, known[key], chunked)
+                cost = known[key]
+                _add_options(problem, u, members[u], family, order, cost, u in replayable, chunked)
     _add_crossings(problem, traced, members, hardware, optimizer, all_costs, signatures)
     for effect in _all_effects(problem):
         for axis, dtype in dict(effect.buckets):
@@ -537,16 +543,16 @@ def _add_options(
     family: str,
     order,
     cost: _UnitCost,
+    replayable: bool,
     chunked: ChunkedLoss | None = None,
 ) -> None:
-    """Unit `u`'s options in `family` and `order`, with or without recomputation (block
-    parts only), its loss run in pieces as `chunked` says, and the knobs worth having
-    under each."""
-    block = in_block(u)
+    """Unit `u`'s options in `family` and `order`, with or without recomputation (where
+    it is `replayable`: block parts that update nothing made outside them), its loss run
+    in pieces as `chunked` says, and the knobs worth having under each."""
     chunks = chunked.chunks if chunked is not None else 1
     if chunked is not None:
         problem.chunked[u, (family, order), chunks] = chunked
-    for checkpoint in (False, True) if block else (False,):
+    for checkpoint in (False, True) if replayable else (False,):
         option = Option(family, checkpoint, order=order, chunks=chunks)
         problem.options.setdefault(u, []).append(option)
         total = cost.total

@@ -21,8 +21,12 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
+import torch
+
 from autoshard.cost.model import storage_of, views_input, views_of
 from autoshard.planning.plan import Plan
+from autoshard.strategies.inplace import runs_in_place, storage_owner
+from autoshard.tracing.canonical import operands_written
 from autoshard.tracing.trace import Traced
 
 
@@ -73,6 +77,27 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
                 for name in part:
                     out[name] = f"{block}#{i}"
     return out
+
+
+def updated_outside(traced: Traced, plan: Plan, names: Iterable[str]) -> str | None:
+    """The first of `names` (a unit's nodes) that updates in place, and runs so, storage
+    made outside them (a batch norm's running statistics, a counted buffer, a model
+    input), in words; None if none does. Such a unit is never recomputed: a replay in
+    backward would update that storage a second time, and autograd refuses to replay
+    from an input changed since forward."""
+    names = list(names)
+    members = set(names)
+    for name in names:
+        node = traced.nodes[name]
+        for written in operands_written(node):
+            owner = storage_owner(written)
+            if owner.name not in members and runs_in_place(node, plan):
+                what = repr(owner.name)
+                if owner.op == "get_attr":
+                    kind = isinstance(traced.parameters[owner.target], torch.nn.Parameter)
+                    what = f"{'parameter' if kind else 'buffer'} '{owner.target}'"
+                return f"node '{name}' ({node.target}) updates {what} in place"
+    return None
 
 
 def resident_values(traced: Traced, plan: Plan, units: dict[str, str]) -> frozenset[str]:

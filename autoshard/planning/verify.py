@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections import defaultdict
 
 import torch
 from torch import fx
@@ -34,6 +35,7 @@ from autoshard.mesh import Mesh
 from autoshard.planning.chunking import chunkings
 from autoshard.planning.plan import NodePlan, Plan
 from autoshard.planning.planner import _candidates, _regathered
+from autoshard.planning.units import updated_outside
 from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback
 from autoshard.tracing.trace import Traced, module_path, tensor_inputs
 
@@ -141,6 +143,15 @@ def check_plan(plan: Plan, traced: Traced) -> None:
                 f"plan.chunked[{i}] runs loss {chunked.loss!r} in {chunked.chunks} pieces, "
                 "which this plan's layouts do not allow (a bias-free linear's logits, through "
                 f"views only, into a vocabulary-parallel cross-entropy, tokens divisible); {_AGAIN}"
+            )
+    regions: dict[str, list[str]] = defaultdict(list)
+    for name, region in plan.regions.items():
+        regions[region].append(name)
+    for region, names in regions.items():
+        if (update := updated_outside(traced, plan, names)) is not None:
+            raise PlanError(
+                f"plan.regions recomputes {region!r}, whose {update}: a replay in backward "
+                f"would update it a second time; {_AGAIN}"
             )
 
 

@@ -99,7 +99,7 @@ def _aliases_its_input(node: fx.Node) -> bool:
     return _is_view(node) or writes_in_place(node)
 
 
-def _owner(node: fx.Node) -> fx.Node:
+def storage_owner(node: fx.Node) -> fx.Node:
     """The node whose result is the storage `node` shares (through views and updates)."""
     while _aliases_its_input(node) and isinstance(node.args[0], fx.Node):
         node = node.args[0]
@@ -120,7 +120,7 @@ def _sharing(node: fx.Node) -> set[fx.Node]:
 def storage_written_by(node: fx.Node) -> set[fx.Node]:
     """The nodes sharing the storage `node` updates in place (the tensor, its views and
     its updates' results); none if `node` writes nothing in place."""
-    return _sharing(_owner(node)) if writes_in_place(node) else set()
+    return _sharing(storage_owner(node)) if writes_in_place(node) else set()
 
 
 def _after(node: fx.Node) -> list[fx.Node]:
@@ -136,7 +136,7 @@ def _storage_read_after(update: fx.Node, tensor: fx.Node, spared: set[fx.Node]) 
     """Whether a node after `update` reads the storage `tensor` shares through any
     tensor but those `spared`; always for an input's, parameter's or buffer's storage,
     which an update must reach."""
-    owner = _owner(tensor)
+    owner = storage_owner(tensor)
     if owner.op != "call_function":
         return True
     later = set(_after(update))
@@ -163,7 +163,7 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
         placed = plan.nodes.get(node.name)
         if placed is None or not writes_in_place(node):
             continue
-        owner = _owner(node.args[0])
+        owner = storage_owner(node.args[0])
         if owner.op == "placeholder" and plan.entry_steps.get(owner.name):
             raise StrategyError(
                 f"node '{node.name}' ({node.target}) updates the model's input "
@@ -172,7 +172,7 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
                 f"serial model changes it. Update a copy ({owner.name} = {owner.name}.clone() "
                 "first) or write it out of place, or make the update before calling the module"
             )
-        if not _runs_in_place(node, plan):
+        if not runs_in_place(node, plan):
             continue
         link, steps = node, ()
         while _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
@@ -198,11 +198,12 @@ def updated_in_place(value: fx.Node, plan) -> bool:
     place): a conversion of `value` made before the update is then not the value after
     it, and no reader after the update may share it."""
     return any(
-        writes_in_place(n) and _runs_in_place(n, plan) for n in _sharing(_owner(value)) - {value}
+        writes_in_place(n) and runs_in_place(n, plan)
+        for n in _sharing(storage_owner(value)) - {value}
     )
 
 
-def _runs_in_place(node: fx.Node, plan) -> bool:
+def runs_in_place(node: fx.Node, plan) -> bool:
     placed = plan.nodes.get(node.name)
     return placed is None or placed.strategy.lowering is not OUT_OF_PLACE
 
@@ -239,7 +240,7 @@ OUT_OF_PLACE = Lowering("out_of_place", _functional)
 @register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
-    owner = _owner(target)
+    owner = storage_owner(target)
     through_view = _is_view(target) and not _read_only_through(target, ctx.node)
     if through_view and not _updatable_in_place(owner):
         if owner.op == "get_attr":

@@ -270,6 +270,32 @@ def writes_in_place(node: fx.Node) -> bool:
     return any(r.alias_info is not None and r.alias_info.is_write for r in schema_returns(node))
 
 
+# Norms that update their running statistics from the batch, though their schema
+# marks nothing written: the argument that says they do, in place
+_UPDATES_RUNNING_STATISTICS = {
+    aten.batch_norm.default: "training",
+    aten.instance_norm.default: "use_input_stats",
+}
+
+
+def operands_written(node: fx.Node) -> list[fx.Node]:
+    """The tensors `node` updates in place: those its schema marks written (an in-place
+    op's first operand, ``index_put_``'s), and a batch or instance norm's running
+    statistics where it updates them from the batch."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    given = {
+        a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+        for i, a in enumerate(schema.arguments)
+    }
+    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    flag = _UPDATES_RUNNING_STATISTICS.get(node.target)
+    if flag is not None and given[flag]:
+        written += ["running_mean", "running_var"]
+    return [given[name] for name in written if isinstance(given[name], fx.Node)]
+
+
 def schema_returns(node: fx.Node) -> tuple:
     """The results the schema of `node`'s op declares (none for what has no schema)."""
     schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
