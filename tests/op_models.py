@@ -656,3 +656,38 @@ def norms():
 def norms_eval():
     model, inputs = norms()
     return model.eval(), inputs
+
+
+class BatchNorms(nn.Module):
+    """Batch norms over [B, C, H, W] (affine and tracking running statistics; neither)
+    and over [B, C], their statistics and running statistics set away from 0 and 1."""
+
+    def __init__(self, channels=8, hidden=16):
+        super().__init__()
+        self.conv = nn.Conv2d(4, channels, 3, padding=1)
+        self.tracked = nn.BatchNorm2d(channels, momentum=0.3)
+        self.conv_1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.untracked = nn.BatchNorm2d(channels, affine=False, track_running_stats=False)
+        self.up = nn.Linear(channels * 16, hidden)
+        self.flat = nn.BatchNorm1d(hidden)
+        self.down = nn.Linear(hidden, hidden)
+        with torch.no_grad():
+            for norm in (self.tracked, self.flat):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+                norm.running_mean.uniform_(-0.2, 0.2)
+                norm.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        h = torch.relu(self.tracked(self.conv(x)))
+        h = torch.relu(self.untracked(self.conv_1(h)))
+        return self.down(self.flat(self.up(h.flatten(1))))
+
+
+def batch_norms():
+    return BatchNorms(), (torch.randn(8, 4, 4, 4) * 2 + 1,)
+
+
+def batch_norms_eval():
+    model, inputs = batch_norms()
+    return model.eval(), inputs

@@ -65,6 +65,16 @@ SHARDED = {
         "instance_norm": "aten.instance_norm.default",
     },
     "norms_eval": {"instance_norm_1": "aten.instance_norm.default"},
+    "batch_norms": {
+        "batch_norm": "aten.batch_norm.default",
+        "batch_norm_1": "aten.batch_norm.default",
+        "batch_norm_2": "aten.batch_norm.default",
+    },
+    "batch_norms_eval": {
+        "batch_norm": "aten.batch_norm.default",
+        "batch_norm_1": "aten.batch_norm.default",
+        "batch_norm_2": "aten.batch_norm.default",
+    },
     "along": {
         "var": "aten.var.correction",
         "amax": "aten.amax.default",
@@ -295,6 +305,25 @@ def test_an_update_in_place_that_would_land_on_a_gathered_copy_is_refused_by_nam
     # would read h unchanged: silently wrong before.
     with pytest.raises(StrategyError, match=r"'fill_' .* updates 'select' in place, but"):
         autoshard.compile(AssignsIntoASlice(), (2, 2, 2), (torch.randn(8, 4, 16),), strategy="3d")
+
+
+class ReadsRunningStatisticsFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        h = self.down(self.up(x) * self.norm.running_var.sqrt())  # stored as this reads it
+        return self.norm(h.t().contiguous().t())
+
+
+def test_a_batch_norm_given_a_converted_copy_of_its_running_statistics_is_refused_by_name():
+    # its update in place would land on the copy: the buffer would never change
+    with pytest.raises(StrategyError, match=r"'batch_norm' .* updates 'norm_running_var' in"):
+        autoshard.compile(
+            ReadsRunningStatisticsFirst(), (2, 2, 2), (torch.randn(8, 16),), strategy="3d"
+        )
 
 
 @pytest.mark.parametrize("strategy", ["3d", None])

@@ -15,6 +15,7 @@ from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
+BATCH_NORMS = f"{Path(__file__).parent}/op_models.py:batch_norms"
 MESH = (2, 2, 2)
 
 
@@ -60,11 +61,11 @@ def test_a_layer_norm_over_split_features_makes_one_call_per_axis_each_way():
         assert ways == {("all_gather", "none"): len(axes), ("none", "all_reduce"): len(axes)}
 
 
-def _calls(mesh):
-    model, inputs = load_factory(GPT)()
+def _calls(mesh, spec=GPT):
+    model, inputs = load_factory(spec)()
     parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
     with autoshard.comm_log() as log:
-        parallel(*inputs).backward()
+        parallel(*inputs).sum().backward()
     logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
     predicted = Counter(
         (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in parallel.plan.predicted_calls()
@@ -82,6 +83,21 @@ def test_every_call_is_predicted_and_a_bucket_logs_once_naming_its_nodes():
             nodes = [n for n, _ in record.serves]
             assert nodes == list(dict.fromkeys(n for n, _ in planned[name]))
             assert sum(b for _, b in record.serves) == record.bytes
+
+
+def test_a_batch_norm_over_a_split_batch_combines_its_statistics_as_predicted():
+    """One all-gather of every rank's per-channel mean and M2 per axis that splits the
+    batch or space, one all-reduce of two sums per axis in backward, as the plan says."""
+    model, inputs = load_factory(BATCH_NORMS)()
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d")
+    combined = [n for n in plan.nodes.values() if repr(n.strategy.lowering) == "batch_norm"]
+    assert len(combined) == 3
+    for logged, predicted, _, _ in shared_pool(8).run(_calls, MESH, BATCH_NORMS):
+        assert logged == predicted
+        assert {kind for node, kind, *_ in logged if node.startswith("batch_norm")} == {
+            "all_gather",
+            "all_reduce",
+        }
 
 
 def test_shared_and_bucketed_program_equals_serial():

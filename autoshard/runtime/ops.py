@@ -27,23 +27,59 @@ def layer_norm(
     node: str,
     mesh: comm.BoundMesh,
 ):
-    """Layer norm over features split across `axes`, in one collective per axis each way.
-
-    Forward gathers every rank's mean and sum of squared deviations (M2) of its own
-    features and combines them as Chan et al.'s parallel variance does: exact, with
-    none of the cancellation of E[x²] − mean² where the mean is large against the
-    spread. Backward all-reduces, stacked, the two sums over features that the input's
-    gradient needs. It keeps the normalized input and rstd per row (in the input's
-    dtype), and the weight."""
-    groups = tuple([mesh.axes[a] for a in axes])  # a list: dynamo traces no generator
-    return _ShardedLayerNorm.apply(x, weight, bias, eps, normalized_ndim, groups, node)
+    """Layer norm over features split across `axes`, in one collective per axis each way
+    (`_ShardedNorm`)."""
+    groups = tuple([mesh.axes[a] for a in axes])  # a list first: dynamo traces no generator
+    dims = tuple(range(-normalized_ndim, 0))
+    return _ShardedNorm.apply(x, weight, bias, eps, dims, groups, node)[0]
 
 
-class _ShardedLayerNorm(torch.autograd.Function):
+@comm.on_mesh
+def batch_norm(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    momentum: float,
+    eps: float,
+    *,
+    axes: tuple[str, ...],
+    node: str,
+    mesh: comm.BoundMesh,
+):
+    """Batch norm from the batch's statistics, the batch (or space) split across `axes`:
+    per channel, every rank's statistics combined (`_ShardedNorm`), and the running
+    statistics, where it has them, updated from the combined ones as the serial op
+    does (the variance unbiased over the whole batch)."""
+    groups = tuple([mesh.axes[a] for a in axes])
+    dims = (0, *range(2, x.dim()))
+    channels = (1, -1) + (1,) * (x.dim() - 2)
+    weight = weight.view(channels) if weight is not None else None
+    bias = bias.view(channels) if bias is not None else None
+    out, mean, m2 = _ShardedNorm.apply(x, weight, bias, eps, dims, groups, node)
+    if running_mean is not None:
+        count = math.prod([x.shape[d] for d in dims] + [g.size for g in groups])
+        with torch.no_grad():
+            running_mean.mul_(1 - momentum).add_(mean.flatten(), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(m2.flatten() / (count - 1), alpha=momentum)
+    return out
+
+
+class _ShardedNorm(torch.autograd.Function):
+    """Normalization over `dims`, split across `groups` (process groups, one per mesh
+    axis): it returns the output and, for running statistics, the combined mean and
+    sum of squared deviations (M2).
+
+    Forward gathers every rank's mean and M2 of its own part and combines them as Chan
+    et al.'s parallel variance does: exact, with none of the cancellation of
+    E[x²] − mean² where the mean is large against the spread. Backward all-reduces,
+    stacked, the two sums that the input's gradient needs. It keeps the normalized
+    input and rstd (in the input's dtype), and the weight."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, normalized_ndim, groups, node):
-        dims = tuple(range(-normalized_ndim, 0))
-        count = math.prod([x.shape[d] for d in dims])  # features on this rank, then combined
+    def forward(ctx, x, weight, bias, eps, dims, groups, node):
+        count = math.prod([x.shape[d] for d in dims])  # elements on this rank, then combined
         mean = x.mean(dims, keepdim=True)
         m2 = (x - mean).square().sum(dims, keepdim=True)
         for group in groups:
@@ -61,13 +97,14 @@ class _ShardedLayerNorm(torch.autograd.Function):
             weight if needs_x else None,
         )
         ctx.dims, ctx.count, ctx.groups, ctx.node, ctx.dtype = dims, count, groups, node, x.dtype
+        ctx.affine_shapes = [None if t is None else t.shape for t in (weight, bias)]
+        ctx.mark_non_differentiable(mean, m2)
         out = normalized if weight is None else normalized * weight
-        return out if bias is None else out + bias
+        return (out if bias is None else out + bias), mean, m2
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _mean, _m2):
         normalized, rstd, weight = ctx.saved_tensors
-        rows = tuple(range(grad.dim() - len(ctx.dims)))
         needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_x = grad_weight = grad_bias = None
         if needs_x:
@@ -80,9 +117,9 @@ class _ShardedLayerNorm(torch.autograd.Function):
             mean_g, mean_gn = (sums / ctx.count).unbind(0)
             grad_x = (rstd * (g - mean_g - normalized * mean_gn)).to(ctx.dtype)
         if needs_weight:
-            grad_weight = (grad * normalized).sum(rows)
+            grad_weight = (grad * normalized).sum_to_size(ctx.affine_shapes[0])
         if needs_bias:
-            grad_bias = grad.sum(rows)
+            grad_bias = grad.sum_to_size(ctx.affine_shapes[1])
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 

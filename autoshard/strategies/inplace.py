@@ -38,8 +38,8 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import register
-from autoshard.tracing.canonical import schema_returns, writes_in_place
-from autoshard.tracing.trace import argument
+from autoshard.tracing.canonical import operands_written, schema_returns, writes_in_place
+from autoshard.tracing.trace import argument, tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -161,7 +161,10 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
     which would not reach the caller's tensor."""
     for node in graph.nodes:
         placed = plan.nodes.get(node.name)
-        if placed is None or not writes_in_place(node):
+        if placed is None:
+            continue
+        _check_written_as_stored(node, placed)
+        if not writes_in_place(node):
             continue
         owner = storage_owner(node.args[0])
         if owner.op == "placeholder" and plan.entry_steps.get(owner.name):
@@ -190,6 +193,21 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
                 "update would not reach the tensor it updates. Write the update out of place "
                 "(torch.where(mask, value, h), torch.cat of the parts, index_put without _), "
                 "or plan this module 'replicated'"
+            )
+
+
+def _check_written_as_stored(node: fx.Node, placed: NodePlan) -> None:
+    """Refuse an op that updates a tensor besides the one it returns (a batch norm's
+    running statistics) where the plan gives it a converted copy of that tensor."""
+    inputs = tensor_inputs(node)
+    for written in operands_written(node):
+        steps = placed.input_steps[inputs.index(written)] if placed.input_steps else ()
+        if steps and not (writes_in_place(node) and written is node.args[0]):
+            raise StrategyError(
+                f"node '{node.name}' ({node.target}) updates '{written.name}' in place, but "
+                f"the plan gives it a converted copy ({steps[0].kind} over axis "
+                f"{steps[0].axis!r}): the update would not reach the tensor. Plan this "
+                "module 'replicated'"
             )
 
 

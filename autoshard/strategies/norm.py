@@ -1,7 +1,10 @@
 """Layer norm over sharded features: each rank's statistics combined over the feature
 axes, one collective per axis each way (`autoshard.runtime.ops.layer_norm`), or
-features gathered first. RMS norm over its features gathered; group and instance
-norms within each sample, the batch split."""
+features gathered first. Batch norm per channel, channels split as they come: from
+running statistics, nothing to combine; from the batch's, each rank's statistics
+combined over the axes that split the batch and space (`ops.batch_norm`), or those
+gathered first. RMS norm over its features gathered; group and instance norms
+within each sample, the batch split."""
 
 from __future__ import annotations
 
@@ -70,6 +73,79 @@ def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 
 # over features split across mesh axes: statistics combined over them
 LAYER_NORM = Lowering("layer_norm", _sharded_features, saved=_sharded_features_saved)
+
+
+def _sharded_batch(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    dims = placed.strategy.inputs[0].dims
+    names = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+    node.args = tuple(argument(node, name) for name in names)
+    node.kwargs = {
+        "axes": tuple(a for axes in dims[:1] + dims[2:] for a in axes),
+        "node": node.name,
+    }
+    node.target = ops.batch_norm
+
+
+def _sharded_batch_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.ops.batch_norm` keeps the normalized input (for either
+    gradient), and for the input's, rstd per channel and the weight."""
+    x, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
+    has_weight = argument(node, "weight") is not None
+    needs_x, needs_weight = needs_grad[0], has_weight and needs_grad[1]
+    kept = (x if needs_x or needs_weight else 0) + (in_shapes[0][1] if needs_x else 0)
+    return Saved((1,) if has_weight and needs_x else (), extra_bytes=kept * item)
+
+
+def _batch_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The native kernel keeps the input and fp32 statistics per channel."""
+    return Saved((0,), extra_bytes=2 * in_shapes[0][1] * STATISTIC_BYTES)
+
+
+# from the batch's statistics, the batch or space split across mesh axes
+BATCH_NORM = Lowering("batch_norm", _sharded_batch, saved=_sharded_batch_saved)
+
+
+@register(
+    aten.batch_norm.default,
+    flops=normalizing_flops,
+    saved=_batch_norm_saved,
+    lowerings=(BATCH_NORM,),
+)
+def batch_norm(ctx: Context) -> list[Strategy]:
+    """Per channel: the weight, bias and running statistics split as the channels are
+    (each rank updates its own channels' running statistics in place, as stored).
+    From running statistics (eval) it is pointwise; from the batch's, the batch and
+    space keep their shards and the statistics are combined over their axes, or are
+    gathered first."""
+    x = ctx.layout(0)
+    from_batch = argument(ctx.node, "training")
+    itemsize = ctx.inputs[0].meta["val"].element_size()
+    candidates = []
+    for dims in (x.dims, ((),) + x.dims[1:2] + ((),) * (len(x.dims) - 2)):
+        stat_axes = tuple(a for axes in dims[:1] + dims[2:] for a in axes) if from_batch else ()
+        lay = Layout(dims)
+        channels = lay.local_shape(ctx.shape(0), ctx.mesh)[1]
+        statistics = []
+        for axis in stat_axes:
+            n = ctx.mesh.size(axis)
+            statistics += [
+                Step("all_gather", axis, 0, "identity", 2 * channels * itemsize * n, n),
+                Step("grad_all_reduce", axis, None, "all_reduce", 2 * channels * itemsize, n),
+            ]
+        per_channel = [Layout(dims[1:2])] * (len(ctx.inputs) - 1)
+        candidates.append(
+            make(
+                "follow",
+                [lay, *per_channel],
+                lay,
+                lowering=BATCH_NORM if stat_axes else None,
+                internal=tuple(statistics),
+                detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
+            )
+        )
+        if not stat_axes:
+            break
+    return candidates
 
 
 @register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)
