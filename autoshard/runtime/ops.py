@@ -100,7 +100,8 @@ class _ShardedNorm(torch.autograd.Function):
         ctx.affine_shapes = [None if t is None else t.shape for t in (weight, bias)]
         ctx.mark_non_differentiable(mean, m2)
         out = normalized if weight is None else normalized * weight
-        return (out if bias is None else out + bias), mean, m2
+        out = out if bias is None else out + bias
+        return out.to(x.dtype), mean, m2  # a bf16 input with fp32 weights: bf16, as ATen
 
     @staticmethod
     def backward(ctx, grad, _mean, _m2):
