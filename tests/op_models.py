@@ -691,3 +691,26 @@ def batch_norms():
 def batch_norms_eval():
     model, inputs = batch_norms()
     return model.eval(), inputs
+
+
+class AttentionOfAnyRank(nn.Module):
+    """Attention over [B, S, E] (no heads dim), with a boolean mask, and over
+    [B, G, H, S, D] (two leading dims besides the batch), causal."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, e = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        q, k, v = (t.view(b, s, 2, 2, e // 4).permute(0, 2, 3, 1, 4) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(h + o.permute(0, 3, 1, 2, 4).reshape(b, s, e))
+
+
+def attention_of_any_rank():
+    return AttentionOfAnyRank(), (torch.randn(4, 6, 16),)

@@ -65,6 +65,10 @@ SHARDED = {
         "instance_norm": "aten.instance_norm.default",
     },
     "norms_eval": {"instance_norm_1": "aten.instance_norm.default"},
+    "attention_of_any_rank": {
+        "scaled_dot_product_attention": "aten.scaled_dot_product_attention.default",
+        "scaled_dot_product_attention_1": "aten.scaled_dot_product_attention.default",
+    },
     "batch_norms": {
         "batch_norm": "aten.batch_norm.default",
         "batch_norm_1": "aten.batch_norm.default",

@@ -69,32 +69,37 @@ def _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> S
 
 
 def _query_layouts(ctx: Context) -> list[Layout]:
-    """The query layout as it comes, and with its sequence/head_dim axes moved to heads."""
+    """The query layout as it comes, and with its sequence/head_dim axes moved to the
+    leading dims that divide them: heads (the innermost) first, then batch."""
     q = ctx.layout(0)
-    kept = Layout(q.dims[:2] + ((), ()))
-    freed = q.dims[2] + q.dims[3]
-    batch, heads = list(q.dims[0]), list(q.dims[1])
-    b_size, h_size = ctx.shape(0)[:2]
-    for axis in freed:
-        if (h_size // ctx.mesh.count(heads)) % ctx.mesh.size(axis) == 0:
-            heads.append(axis)
-        elif (b_size // ctx.mesh.count(batch)) % ctx.mesh.size(axis) == 0:
-            batch.append(axis)
-    moved = Layout((tuple(batch), tuple(heads), (), ()))
+    lead = len(q.dims) - 2
+    kept = Layout(q.dims[:lead] + ((), ()))
+    dims = [list(axes) for axes in q.dims[:lead]]
+    shape = ctx.shape(0)
+    for axis in q.dims[-2] + q.dims[-1]:
+        for d in reversed(range(lead)):
+            if (shape[d] // ctx.mesh.count(dims[d])) % ctx.mesh.size(axis) == 0:
+                dims[d].append(axis)
+                break
+    moved = Layout(tuple(tuple(axes) for axes in dims) + ((), ()))
     return [moved, kept] if moved != kept else [kept]
 
 
 def _heads_key_and_value_follow(ctx: Context, q: Layout) -> Layout:
-    """`q` with its heads split over only as many of its axes (outermost first) as
-    also split the key's and value's heads: under grouped-query attention (fewer
-    key/value heads), query head i reads key head i // group, so a rank's query heads
-    need exactly the key heads of the same block. A single key head is read by all."""
-    heads = list(q.dims[1])
+    """`q` with its heads (the dim before the sequence's) split over only as many of
+    its axes (outermost first) as also split the key's and value's heads: under
+    grouped-query attention (fewer key/value heads), query head i reads key head
+    i // group, so a rank's query heads need exactly the key heads of the same block.
+    A single key head is read by all."""
+    h = len(q.dims) - 3
+    if h < 0:
+        return q
+    heads = list(q.dims[h])
     while heads and any(
-        ctx.shape(i)[1] != 1 and ctx.shape(i)[1] % ctx.mesh.count(heads) for i in (1, 2)
+        ctx.shape(i)[h] != 1 and ctx.shape(i)[h] % ctx.mesh.count(heads) for i in (1, 2)
     ):
         heads.pop()
-    return Layout((q.dims[0], tuple(heads), *q.dims[2:]))
+    return Layout(q.dims[:h] + (tuple(heads),) + q.dims[h + 1 :])
 
 
 @register(
@@ -110,16 +115,24 @@ def sdpa(ctx: Context) -> list[Strategy]:
     out_shape = ctx.out_shape
     for q in _query_layouts(ctx):
         q = _heads_key_and_value_follow(ctx, q)
+        lead = len(q.dims) - 2
         inputs = [q]
         for i in range(1, len(ctx.inputs)):
             shape = ctx.shape(i)
-            if i in (1, 2):  # key, value: maybe fewer heads
-                heads = q.dims[1] if shape[1] % ctx.mesh.count(q.dims[1]) == 0 else ()
-                batch = q.dims[0] if shape[0] == out_shape[0] else ()
-                inputs.append(Layout((batch, heads, (), ())))
-            else:  # the mask broadcasts against the scores [B, heads, S, S]
-                scores = Layout(q.dims[:2] + ((), ()))
-                inputs.append(aligned(scores, shape, out_shape[:3] + (shape[-1],)))
+            if i in (1, 2):  # key, value: the query's leading shards, where they have
+                # the dim (fewer heads, or a batch of 1, broadcast) and it divides
+                leading = tuple(
+                    axes
+                    if shape[d] == out_shape[d]
+                    or shape[d] % ctx.mesh.count(axes) == 0
+                    and shape[d] != 1
+                    else ()
+                    for d, axes in enumerate(q.dims[:lead])
+                )
+                inputs.append(Layout(leading + ((), ())))
+            else:  # the mask broadcasts against the scores [..., S_q, S_k]
+                scores = Layout(q.dims[:lead] + ((), ()))
+                inputs.append(aligned(scores, shape, out_shape[:-1] + (shape[-1],)))
         candidates.append(make("follow", inputs, q, detail="batch and heads"))
     return candidates
 
