@@ -714,3 +714,20 @@ class AttentionOfAnyRank(nn.Module):
 
 def attention_of_any_rank():
     return AttentionOfAnyRank(), (torch.randn(4, 6, 16),)
+
+
+class NormOverEveryDim(nn.Module):
+    """A layer norm over every dim of its input (no rows left): its weight's gradient
+    sums over none."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm((4, 6, hidden))
+
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)))
+
+
+def norm_over_every_dim():
+    return NormOverEveryDim(), (torch.randn(4, 6, 16),)
