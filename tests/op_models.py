@@ -731,3 +731,25 @@ class NormOverEveryDim(nn.Module):
 
 def norm_over_every_dim():
     return NormOverEveryDim(), (torch.randn(4, 6, 16),)
+
+
+class BiasesPerRow(nn.Module):
+    """``addmm`` and ``linear`` with a bias per row ([M, N] and [M, 1]), which they
+    broadcast as any other operand, and with one row ([1, N])."""
+
+    def __init__(self, rows=8, hidden=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, hidden) / 4)
+        self.per_row = nn.Parameter(torch.randn(rows, hidden))
+        self.per_row_1 = nn.Parameter(torch.randn(rows, 1))
+        self.one_row = nn.Parameter(torch.randn(1, hidden))
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = torch.addmm(self.per_row, x, self.weight)
+        h = F.linear(torch.relu(h), self.weight, self.per_row_1)
+        return self.down(torch.addmm(self.one_row, h, self.weight))
+
+
+def biases_per_row():
+    return BiasesPerRow(), (torch.randn(8, 16),)

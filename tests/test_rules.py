@@ -390,3 +390,19 @@ def test_a_custom_function_whose_backward_is_the_derivative_runs_as_its_ops():
         warnings.simplefilter("error")  # checked exact: nothing to warn of
         autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
     assert_equivalent(f"{OPS}:exact_function", (2, 2, 2), strategy="3d", steps=2)
+
+
+@pytest.mark.parametrize("strategy", ["3d", "megatron", None])
+def test_a_product_with_a_bias_per_row_runs_replicated_naming_it(strategy):
+    # a bias per row was laid out as a row's: ranks added shapes that do not broadcast
+    model, inputs = load_factory(f"{OPS}:biases_per_row")()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoshard.plan(model, (2, 2, 2), inputs, strategy=strategy)
+    unclaimed = {
+        str(w.message) for w in caught if "does not handle a bias of shape" in str(w.message)
+    }
+    assert len(unclaimed) == 2, unclaimed
+    if strategy:  # one row ([1, N]) is split as a bias [N] is
+        assert plan.nodes["addmm_1"].local_shape != plan.nodes["addmm_1"].shape
+    assert_equivalent(f"{OPS}:biases_per_row", (2, 2, 2), strategy=strategy, steps=2)

@@ -101,8 +101,12 @@ def matmul_candidates(
     ctx: Context, x: int, w: int, bias: int | None, w_out_dim: int, w_in_dim: int
 ) -> list[Strategy]:
     """Candidates for ``X @ W`` with X = input `x`, weight input `w` (its output dim
-    `w_out_dim`, contraction dim `w_in_dim`) and an optional bias input."""
+    `w_out_dim`, contraction dim `w_in_dim`) and an optional bias input: one row,
+    broadcast over the others (not a bias per row, ``addmm(b[M, N], x, w)``)."""
     shapes = tuple(ctx.shape(i) for i in range(len(ctx.inputs)))
+    columns = ctx.out_shape[-1]
+    if bias is not None and (shapes[bias][-1:] != (columns,) or numel(shapes[bias]) != columns):
+        raise Unclaimed(f"a bias of shape {list(shapes[bias])}")
     return list(
         _candidates(
             ctx.family,
@@ -125,6 +129,7 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
     out_nd = len(out_shape)
     feat = x_nd - 1
     n_inputs = len(shapes)
+    bias_nd = len(shapes[bias]) if bias is not None else 1  # [N], or one row [1, N]
 
     def assemble(family, x_in, w_in, w_store, out, stored, bias_in, detail, split_weight=None):
         inputs = [None] * n_inputs
@@ -148,7 +153,9 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
     if family == "replicated":
         rep = Layout.replicated
         return [
-            assemble("replicated", rep(x_nd), rep(2), rep(2), rep(out_nd), rep(out_nd), rep(1), "R")
+            assemble(
+                "replicated", rep(x_nd), rep(2), rep(2), rep(out_nd), rep(out_nd), rep(bias_nd), "R"
+            )
         ]
 
     groups = []
@@ -186,7 +193,7 @@ def _candidates(family, mesh, shapes, out_shape, incoming, x, w, bias, w_out_dim
         for tokens, dk, (w_store, split_weight) in product(placements, scatter_dims, storages):
             x_in = _layout(x_nd, tokens + [(feat, k)])
             out = _layout(out_nd, tokens + [(out_nd - 1, n)], partial=k)
-            bias_in = _layout(1, [(0, n)])
+            bias_in = _layout(bias_nd, [(bias_nd - 1, n)])
             stored = _layout(
                 out_nd, tokens + [(out_nd - 1, n)] + ([(dk, k)] if dk is not None else [])
             )
