@@ -753,3 +753,32 @@ class BiasesPerRow(nn.Module):
 
 def biases_per_row():
     return BiasesPerRow(), (torch.randn(8, 16),)
+
+
+class PointwiseLosses(nn.Module):
+    """Losses computed element by element, every reduction: mean squared error
+    (mean), L1 (sum), Huber (none, then a mean), binary cross-entropy with a weight
+    per feature, with logits and a positive weight per feature, KL divergence
+    ("batchmean": a sum, then a division), soft margin against a broadcast target."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.head = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+        self.register_buffer("weight", torch.linspace(0.5, 2.0, hidden))
+
+    def forward(self, x, target):
+        h = self.head(torch.relu(self.up(x)))
+        p, q = target.sigmoid(), target.softmax(-1)
+        return (
+            F.mse_loss(h, target)
+            + F.l1_loss(h, target, reduction="sum") / 100
+            + F.huber_loss(h, target, reduction="none", delta=0.5).mean()
+            + F.binary_cross_entropy(h.sigmoid(), p, weight=self.weight)
+            + F.binary_cross_entropy_with_logits(h, p, pos_weight=self.weight)
+            + F.kl_div(h.log_softmax(-1), q, reduction="batchmean")
+            + F.soft_margin_loss(h, target[:1].sign().expand_as(h))
+        )
+
+
+def pointwise_losses():
+    return PointwiseLosses(), (torch.randn(4, 8, 16), torch.randn(4, 8, 16))

@@ -406,3 +406,22 @@ def test_a_product_with_a_bias_per_row_runs_replicated_naming_it(strategy):
     if strategy:  # one row ([1, N]) is split as a bias [N] is
         assert plan.nodes["addmm_1"].local_shape != plan.nodes["addmm_1"].shape
     assert_equivalent(f"{OPS}:biases_per_row", (2, 2, 2), strategy=strategy, steps=2)
+
+
+def test_losses_computed_element_by_element_reduce_their_split_parts():
+    # they ran replicated, on gathered logits and targets
+    plan, no_rule = _plan("pointwise_losses")
+    assert not no_rule
+    names = ("loss.default", "kl_div.default", "entropy.default", "with_logits.default")
+    losses = [n for n in plan.nodes.values() if n.op.endswith(names)]
+    assert len(losses) == 7
+    for loss in losses:
+        assert any(loss.strategy.inputs[0].dims), loss.name
+        assert loss.strategy.output.partial or loss.name == "huber_loss", loss.name
+    assert plan.nodes["huber_loss"].local_shape != plan.nodes["huber_loss"].shape
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("strategy", ["3d", "megatron", "3d-allreduce", None])
+def test_losses_computed_element_by_element_match_serial(strategy, mesh):
+    assert_equivalent(f"{OPS}:pointwise_losses", mesh, strategy=strategy, steps=2)

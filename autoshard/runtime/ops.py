@@ -149,11 +149,11 @@ def dropout(
     return x * comm.local_part(noise, dims, mesh).clone()  # keep only the local part alive
 
 
-def mean(x, dim=None, keepdim: bool = False, *, scale: float, **kwargs):
-    """A mean over sharded dims as this rank's share of the global mean
-    (local mean × local count / global count), to be all-reduced."""
-    out = torch.mean(x, **kwargs) if dim is None else torch.mean(x, dim, keepdim, **kwargs)
-    return out * scale
+def share_of_mean(op: str, *args, scale: float, **kwargs):
+    """`op` (an ATen mean, or a loss averaged over its elements, by name) on this rank's
+    part as its share of the global mean (its mean × local count / global count), to
+    be all-reduced."""
+    return _aten(op)(*args, **kwargs) * scale
 
 
 @comm.on_mesh

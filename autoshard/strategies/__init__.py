@@ -38,6 +38,7 @@ from autoshard.strategies import (  # noqa: F401  (each module registers its rul
     loss,
     norm,
     pointwise,
+    pointwise_loss,
     pooling,
     reduction,
     repeat,

@@ -46,6 +46,8 @@ OTHERS = (  # counted as keeping nothing (add, sub, neg, casts and copies keep n
     aten.clamp.default,
     aten.square.default,
     aten.reciprocal.default,
+    aten.sign.default,
+    aten.sgn.default,
     # comparisons and logical ops: masks, built elementwise from ids and positions
     aten.eq.Tensor,
     aten.eq.Scalar,

@@ -20,9 +20,11 @@ if TYPE_CHECKING:
 
 
 def _share_of_mean(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    """A mean over sharded dims as this rank's share of the global mean."""
+    """A mean over sharded dims (or a loss averaged over its elements) as this rank's
+    share of the global mean."""
     scale = 1 / mesh.count(placed.strategy.output.partial)
-    node.target = ops.mean
+    node.args = (str(node.target), *node.args)
+    node.target = ops.share_of_mean
     node.kwargs = {**node.kwargs, "scale": scale}
 
 

@@ -23,7 +23,8 @@ no value changes, but autograd's version counter does, and a product that saved
 the buffer for backward (``h * self.steps``) then fails there. That copy is dropped.
 
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
-traced graph, so that is ``aten.reshape(x, other's shape)``.
+traced graph, so that is ``aten.reshape(x, other's shape)`` (and ``expand_as``,
+``aten.expand``).
 
 XLNet, Funnel and ProphetNet write attention as ``einsum("bind,bjnd->bnij", q, k)``,
 which no rule knows. A two-operand einsum is a batched matmul between permutes and
@@ -39,6 +40,10 @@ output, contracted in both only, free in one and the output):
 and where one operand is a 2-D parameter and nothing is batched, a layer:
 ``einsum("bld,hd->blh", x, weight)`` is ``aten.linear(x, weight)``.
 
+Losses of two operands (``F.mse_loss(h, target)``, L1, smooth L1, Huber) broadcast
+them first, ``broadcast_tensors([h, target])``, a list of views no rule knows: each
+is its operand itself where it has the common shape, and else ``aten.expand`` to it.
+
 EfficientNet's convolutions pad by name (``nn.Conv2d(..., padding="same")``), which
 traces as another overload, ``aten.conv2d.padding``. "valid" pads nothing, and "same"
 pads dilation × (kernel − 1) along each spatial dim: where that is even, half on
@@ -50,6 +55,7 @@ side pads more: ATen pads the input first, and that call is left as it is.)
 from __future__ import annotations
 
 import math
+import operator
 
 from torch import fx
 from torch.ops import aten
@@ -85,7 +91,29 @@ def canonicalize(graph: fx.Graph) -> None:
     detach_out_of_place(graph)
     pad_convolutions_by_number(graph)
     einsum_as_products(graph)
+    broadcasts_as_expands(graph)
     drop_copies_into_themselves(graph)
+
+
+def broadcasts_as_expands(graph: fx.Graph) -> None:
+    """``broadcast_tensors([a, b])[i]`` → operand i, or ``aten.expand`` of it to the common
+    shape, in place."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.broadcast_tensors.default)):
+        operands = node.args[0]
+        shape = list(node.meta["val"][0].shape)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                continue  # read whole: left as it is
+            operand = operands[user.args[1]]
+            if list(operand.meta["val"].shape) != shape:
+                with graph.inserting_before(user):
+                    expanded = graph.call_function(aten.expand.default, (operand, shape))
+                expanded.meta = {**user.meta, "val": operand.meta["val"].expand(shape)}
+                operand = expanded
+            user.replace_all_uses_with(operand)
+            graph.erase_node(user)
+        if not node.users:
+            graph.erase_node(node)
 
 
 def pad_convolutions_by_number(graph: fx.Graph) -> None:
@@ -148,11 +176,19 @@ def fold_transposed_experts(graph: fx.Graph) -> None:
             graph.erase_node(transposed)
 
 
+_BY_SHAPE = {
+    aten.reshape_as.default: aten.reshape.default,
+    aten.expand_as.default: aten.expand.default,
+}
+
+
 def reshape_by_shape(graph: fx.Graph) -> None:
-    """``reshape_as(x, other)`` → ``reshape(x, other.shape)``, in place."""
-    for node in graph.find_nodes(op="call_function", target=aten.reshape_as.default):
-        x, other = node.args
-        node.target, node.args = aten.reshape.default, (x, list(other.meta["val"].shape))
+    """``reshape_as(x, other)`` → ``reshape(x, other.shape)``, and ``expand_as`` →
+    ``expand`` likewise, in place."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _BY_SHAPE:
+            x, other = node.args
+            node.target, node.args = _BY_SHAPE[node.target], (x, list(other.meta["val"].shape))
 
 
 def fold_transposed_weights(graph: fx.Graph) -> None:

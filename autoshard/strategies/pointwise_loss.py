@@ -1,0 +1,53 @@
+"""Losses computed element by element (mean squared and absolute error, smooth L1 and
+Huber, binary cross-entropy with or without logits, KL divergence, soft margin): the
+input, the target and any weights split alike, and a reduction over every element a
+pending sum over every axis that splits them, which the node all-reduces ("mean":
+each rank's mean as its share, `reduction.MEAN`).
+
+    loss = F.mse_loss(self.head(x), target)   # head's output [tokens, d] split over a, c
+    # each rank: mse_loss(its part, its target part) / 4, then all-reduced over a and c
+"""
+
+from __future__ import annotations
+
+from torch.ops import aten
+
+from autoshard.layout import Layout
+from autoshard.strategies.base import Context, Saved, Strategy, make
+from autoshard.strategies.pointwise import aligned
+from autoshard.strategies.reduction import MEAN
+from autoshard.strategies.registry import register
+from autoshard.tracing.trace import argument, tensor_inputs
+
+NONE, MEAN_REDUCTION, SUM = 0, 1, 2  # ATen's reduction codes
+
+
+def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """Backward reads the operands (input, target and weights)."""
+    return Saved(tuple(range(len(tensor_inputs(node)))))
+
+
+@register(
+    aten.mse_loss.default,
+    aten.l1_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.huber_loss.default,
+    aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_with_logits.default,
+    aten.kl_div.default,
+    aten.soft_margin_loss.default,
+    saved=_keeps_operands,
+    lowerings=(MEAN,),
+)
+def pointwise_loss(ctx: Context) -> list[Strategy]:
+    """The operands laid out as the input (broadcast ones as they broadcast); the loss
+    per element as the input, or its sum or mean pending over all the input's axes."""
+    x = ctx.layout(0)
+    shape = ctx.shape(0)
+    inputs = [aligned(x, ctx.shape(i), shape) for i in range(len(ctx.inputs))]
+    reduction = argument(ctx.node, "reduction")
+    if reduction == NONE:
+        return [make("follow", inputs, x)]
+    partial = tuple(a for axes in x.dims for a in axes)
+    lowering = MEAN if reduction == MEAN_REDUCTION and partial else None
+    return [make("follow", inputs, Layout((), partial), Layout(()), lowering=lowering)]
