@@ -782,3 +782,20 @@ class PointwiseLosses(nn.Module):
 
 def pointwise_losses():
     return PointwiseLosses(), (torch.randn(4, 8, 16), torch.randn(4, 8, 16))
+
+
+class TensorSplits(nn.Module):
+    """``tensor_split`` into sections along features, and by indices along tokens."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        a, b = self.up(x).tensor_split(2, dim=-1)
+        first, second = a.tensor_split([3], dim=1)
+        return self.down(torch.cat([second, first], 1) * b)
+
+
+def tensor_splits():
+    return TensorSplits(), (torch.randn(4, 8, 16),)

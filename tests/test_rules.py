@@ -70,6 +70,7 @@ SHARDED = {
         "scaled_dot_product_attention_1": "aten.scaled_dot_product_attention.default",
     },
     "norm_over_every_dim": {"layer_norm": "aten.layer_norm.default"},
+    "tensor_splits": {"mul": "aten.mul.Tensor", "cat": "aten.cat.default"},
     "batch_norms": {
         "batch_norm": "aten.batch_norm.default",
         "batch_norm_1": "aten.batch_norm.default",

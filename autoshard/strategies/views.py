@@ -222,7 +222,14 @@ def split(ctx: Context) -> list[Strategy]:
 
 
 # Their outputs view the input's storage (`aliases`): a getitem of one is that storage.
-register(aten.split.Tensor, aten.split_with_sizes.default, free=True, aliases=True)(split)
+register(
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.tensor_split.indices,
+    aten.tensor_split.sections,
+    free=True,
+    aliases=True,
+)(split)
 register(aten.chunk.default, aten.unbind.int, aliases=True)(split)  # priced as kernels
 
 
