@@ -799,3 +799,47 @@ class TensorSplits(nn.Module):
 
 def tensor_splits():
     return TensorSplits(), (torch.randn(4, 8, 16),)
+
+
+class Activations(nn.Module):
+    """torch.nn's activations, each between two layers, with their arguments set:
+    ELU, CELU, SELU, LeakyReLU, Hardtanh and ReLU6, Hardswish, Hardsigmoid,
+    LogSigmoid, Mish, Softshrink, Hardshrink, Threshold; PReLU with one slope per
+    channel over [B, C, L] and [B, C], and with one slope; GLU along features."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.pointwise = nn.Sequential(
+            nn.ELU(alpha=0.7),
+            nn.CELU(alpha=1.3),
+            nn.SELU(),
+            nn.LeakyReLU(0.2),
+            nn.Hardtanh(-2.0, 1.5),
+            nn.ReLU6(),
+            nn.Hardswish(),
+            nn.Hardsigmoid(),
+            nn.LogSigmoid(),
+            nn.Mish(),
+            nn.Softshrink(0.1),
+            nn.Hardshrink(0.05),
+            nn.Threshold(-0.5, 0.25),
+        )
+        self.channels = nn.PReLU(4, init=0.1)
+        self.features = nn.PReLU(hidden, init=0.3)
+        self.one = nn.PReLU(init=0.2)
+        self.glu = nn.GLU(-1)
+        self.down = nn.Linear(hidden // 2, hidden)
+        with torch.no_grad():
+            for prelu in (self.channels, self.features):
+                prelu.weight.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        h = sum(act(h) for act in self.pointwise)
+        h = self.features(self.channels(h).flatten(0, 1)).view(h.shape)
+        return self.down(self.glu(self.one(h)))
+
+
+def activations():
+    return Activations(), (torch.randn(8, 4, 16),)

@@ -71,6 +71,17 @@ SHARDED = {
     },
     "norm_over_every_dim": {"layer_norm": "aten.layer_norm.default"},
     "tensor_splits": {"mul": "aten.mul.Tensor", "cat": "aten.cat.default"},
+    "activations": {
+        "elu": "aten.elu.default",
+        "leaky_relu": "aten.leaky_relu.default",
+        "hardtanh_1": "aten.hardtanh.default",
+        "log_sigmoid": "aten.log_sigmoid.default",
+        "threshold": "aten.threshold.default",
+        "prelu": "aten.prelu.default",
+        "prelu_1": "aten.prelu.default",
+        "prelu_2": "aten.prelu.default",
+        "glu": "aten.glu.default",
+    },
     "batch_norms": {
         "batch_norm": "aten.batch_norm.default",
         "batch_norm_1": "aten.batch_norm.default",

@@ -31,7 +31,7 @@ def _keeps_input_and_output(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 # op → the argument naming the dims it works along
 _INDICES = {aten.argmax.default: "dim", aten.argmin.default: "dim"}
 _MOVES = {aten.roll.default: "dims", aten.flip.default: "dims"}
-_KEEP_INPUT = {aten.var.correction: "dim", aten.var.dim: "dim"}
+_KEEP_INPUT = {aten.var.correction: "dim", aten.var.dim: "dim", aten.glu.default: "dim"}
 _KEEP_BOTH = {
     aten.std.correction: "dim",
     aten.std.dim: "dim",

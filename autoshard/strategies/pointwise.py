@@ -82,6 +82,19 @@ KEEP_INPUT = (
     aten.abs.default,
     aten.gelu.default,
     aten.silu.default,
+    # torch.nn's other activations (an RReLU in training draws its slopes: not here)
+    aten.elu.default,
+    aten.celu.default,
+    aten.selu.default,
+    aten.leaky_relu.default,
+    aten.hardtanh.default,
+    aten.hardswish.default,
+    aten.hardsigmoid.default,
+    aten.log_sigmoid.default,
+    aten.mish.default,
+    aten.softshrink.default,
+    aten.hardshrink.default,
+    aten.threshold.default,
 )
 
 
@@ -133,6 +146,23 @@ register(aten.div.Tensor, saved=_keeps_divisor)(follow)
 register(aten.where.self, saved=keeps_input)(follow)  # the condition
 register(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saved=_keeps_mask)(follow)
 register(aten.alias.default, free=True, aliases=True)(follow)
+
+
+def _keeps_input_and_slopes(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """prelu keeps its input (for either gradient) and its slopes (for the input's)."""
+    return Saved((0, 1) if needs_grad[0] else (0,))
+
+
+@register(aten.prelu.default, saved=_keeps_input_and_slopes)
+def prelu(ctx: Context) -> list[Strategy]:
+    """``prelu(x, weight)``: one slope per channel (x's dim 1, dim 0 of a 1-d x) split as
+    the channels are, or one slope for all, whole."""
+    x = ctx.layout(0)
+    per_channel = ctx.shape(1)[0] != 1 and x.dims
+    slopes = Layout((x.dims[min(1, len(x.dims) - 1)],)) if per_channel else Layout(((),))
+    return [make("follow", [x, slopes], x)]
+
+
 register(aten.detach.default, free=True)(follow)
 
 
