@@ -843,3 +843,31 @@ class Activations(nn.Module):
 
 def activations():
     return Activations(), (torch.randn(8, 4, 16),)
+
+
+class Resizes(nn.Module):
+    """F.interpolate in each mode (nearest, bilinear to a size, bicubic aligning
+    corners, nearest-exact, linear over [B, C, L]) and an adaptive max pool with its
+    indices."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.conv = nn.Conv2d(4, channels, 1)
+        self.conv_1 = nn.Conv1d(channels, channels, 1)
+        self.head = nn.Linear(channels, channels)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = (
+            F.interpolate(h, scale_factor=2)
+            + F.interpolate(h, size=(8, 16), mode="bilinear", align_corners=False)
+            + F.interpolate(h, scale_factor=2, mode="bicubic", align_corners=True)
+            + F.interpolate(h, scale_factor=2, mode="nearest-exact")
+        )
+        pooled, _ = F.adaptive_max_pool2d(h, (2, 4), return_indices=True)
+        h = F.interpolate(self.conv_1(pooled.flatten(2)), scale_factor=3, mode="linear")
+        return self.head(h.transpose(1, 2))
+
+
+def resizes():
+    return Resizes(), (torch.randn(8, 4, 4, 8),)

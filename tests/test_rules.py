@@ -82,6 +82,13 @@ SHARDED = {
         "prelu_2": "aten.prelu.default",
         "glu": "aten.glu.default",
     },
+    "resizes": {
+        "upsample_nearest2d": "aten.upsample_nearest2d.vec",
+        "upsample_bilinear2d": "aten.upsample_bilinear2d.vec",
+        "upsample_bicubic2d": "aten.upsample_bicubic2d.vec",
+        "_upsample_nearest_exact2d": "aten._upsample_nearest_exact2d.vec",
+        "upsample_linear1d": "aten.upsample_linear1d.vec",
+    },
     "batch_norms": {
         "batch_norm": "aten.batch_norm.default",
         "batch_norm_1": "aten.batch_norm.default",

@@ -1,4 +1,5 @@
-"""Pooling: ops over the last few dims only (an image's space, a sequence's length).
+"""Pooling and resizing: ops over the last few dims only (an image's space, a sequence's
+length).
 Those dims are whole on every rank, the leading ones (batch, channels) keep their
 shards: each rank pools its own rows as the serial model does, exactly, and the
 gradient flows back the same way.
@@ -15,7 +16,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies.base import Context, Strategy, make
-from autoshard.strategies.registry import keeps_input, register
+from autoshard.strategies.registry import keeps_input, keeps_output, register
 
 # How many trailing dims each pool reads together.
 _AVERAGES = {
@@ -33,19 +34,38 @@ _MAXIMA = {  # backward routes the gradient to each window's largest input: it k
 }
 
 
-def _trailing_whole(ctx: Context, count: int) -> list[Strategy]:
-    """The input as it comes with its last `count` dims whole, the output alike."""
+_ADAPTIVE_MAXIMA = {  # and the index of each maximum, a second result laid out alike
+    aten.adaptive_max_pool1d.default: 1,
+    aten.adaptive_max_pool2d.default: 2,
+    aten.adaptive_max_pool3d.default: 3,
+}
+_RESIZES = {  # F.interpolate: backward needs only the sizes
+    aten.upsample_nearest1d.vec: 1,
+    aten.upsample_nearest2d.vec: 2,
+    aten.upsample_nearest3d.vec: 3,
+    aten._upsample_nearest_exact1d.vec: 1,
+    aten._upsample_nearest_exact2d.vec: 2,
+    aten._upsample_nearest_exact3d.vec: 3,
+    aten.upsample_linear1d.vec: 1,
+    aten.upsample_bilinear2d.vec: 2,
+    aten._upsample_bilinear2d_aa.vec: 2,
+    aten.upsample_bicubic2d.vec: 2,
+    aten._upsample_bicubic2d_aa.vec: 2,
+    aten.upsample_trilinear3d.vec: 3,
+}
+_TRAILING = {**_AVERAGES, **_MAXIMA, **_ADAPTIVE_MAXIMA, **_RESIZES}
+
+
+def trailing_whole(ctx: Context) -> list[Strategy]:
+    """The input as it comes with the dims the op reads together whole, the output
+    (each output) alike."""
     x = ctx.layout(0)
-    first = len(x.dims) - count
+    first = len(x.dims) - _TRAILING[ctx.node.target]
     x = Layout(tuple(axes if d < first else () for d, axes in enumerate(x.dims)))
-    return [make("follow", [x], x)]
+    results = len(ctx.node.meta["val"]) if isinstance(ctx.node.meta["val"], tuple) else 0
+    return [make("follow", [x], x, outputs=(x,) * results)]
 
 
-@register(*_AVERAGES)
-def average_pool(ctx: Context) -> list[Strategy]:
-    return _trailing_whole(ctx, _AVERAGES[ctx.node.target])
-
-
-@register(*_MAXIMA, saved=keeps_input)
-def max_pool(ctx: Context) -> list[Strategy]:
-    return _trailing_whole(ctx, _MAXIMA[ctx.node.target])
+register(*_AVERAGES, *_RESIZES)(trailing_whole)
+register(*_MAXIMA, saved=keeps_input)(trailing_whole)
+register(*_ADAPTIVE_MAXIMA, saved=keeps_output)(trailing_whole)
