@@ -735,7 +735,8 @@ def norm_over_every_dim():
 
 class BiasesPerRow(nn.Module):
     """``addmm`` and ``linear`` with a bias per row ([M, N] and [M, 1]), which they
-    broadcast as any other operand, and with one row ([1, N])."""
+    broadcast as any other operand, with one row ([1, N]) and with one number; and
+    ``addmm`` of activations."""
 
     def __init__(self, rows=8, hidden=16):
         super().__init__()
@@ -743,12 +744,14 @@ class BiasesPerRow(nn.Module):
         self.per_row = nn.Parameter(torch.randn(rows, hidden))
         self.per_row_1 = nn.Parameter(torch.randn(rows, 1))
         self.one_row = nn.Parameter(torch.randn(1, hidden))
+        self.scalar = nn.Parameter(torch.randn(()))
         self.down = nn.Linear(hidden, hidden)
 
     def forward(self, x):
         h = torch.addmm(self.per_row, x, self.weight)
         h = F.linear(torch.relu(h), self.weight, self.per_row_1)
-        return self.down(torch.addmm(self.one_row, h, self.weight))
+        h = torch.addmm(self.one_row, h, self.weight) + torch.addmm(self.scalar, h, self.weight)
+        return self.down(torch.addmm(h, h[:, :8], self.down(h)[:8]))  # of activations
 
 
 def biases_per_row():
@@ -871,3 +874,19 @@ class Resizes(nn.Module):
 
 def resizes():
     return Resizes(), (torch.randn(8, 4, 4, 8),)
+
+
+class MeanKeptWhole(nn.Module):
+    """``h.mean(dim=None, keepdim=True)``: every dim reduced and kept, [1, 1, 1]."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(h * h.mean(dim=None, keepdim=True)[0, 0]), h.mean(None, True)
+
+
+def mean_kept_whole():
+    return MeanKeptWhole(), (torch.randn(4, 6, 16),)

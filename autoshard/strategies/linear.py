@@ -256,6 +256,8 @@ def linear(ctx: Context) -> list[Strategy]:
 @register(aten.addmm.default, regathers=True, **Product(1).facts())
 def addmm(ctx: Context) -> list[Strategy]:
     # addmm(bias, x, w): GPT-2's Conv1D, W stored [H, O]
+    if ctx.inputs[2].op != "get_attr":
+        raise Unclaimed("a product of activations")
     for name in ("beta", "alpha"):  # the bias is added after the collectives, unscaled
         if argument(ctx.node, name) != 1:
             raise Unclaimed(f"{name}={argument(ctx.node, name)}")
