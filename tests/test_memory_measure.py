@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.ops import aten
 from torch.utils.checkpoint import checkpoint
 from zoo_plans import HARDWARE, tight_budget
 
@@ -266,7 +267,7 @@ def test_a_split_layer_norm_keeps_what_its_rule_says(weight, bias, grads):
     # The kernel of a layer norm over split features (here over no axis: one rank), for
     # every set of affine parameters and of tensors that need a gradient.
     from autoshard.cost.model import saved_bytes
-    from autoshard.runtime.ops import _ShardedLayerNorm
+    from autoshard.runtime.ops import _ShardedNorm
     from autoshard.strategies.norm import LAYER_NORM
 
     norm = _Norm(weight, bias)
@@ -281,6 +282,63 @@ def test_a_split_layer_norm_keeps_what_its_rule_says(weight, bias, grads):
     predicted = saved_bytes(node, shapes, (4, 16), needs_grad=needs_grad, lowering=LAYER_NORM)
 
     def step():
-        _ShardedLayerNorm.apply(x, norm.weight, norm.bias, 1e-5, 1, (), "norm").sum().backward()
+        _ShardedNorm.apply(x, norm.weight, norm.bias, 1e-5, (-1,), (), "norm")[0].sum().backward()
 
     assert measure_memory(step, exclude=list(norm.parameters())).saved_bytes == predicted
+
+
+class _BatchNorm(nn.Module):
+    def __init__(self, affine: bool, tracked: bool):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8, affine=affine, track_running_stats=tracked)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+@pytest.mark.parametrize("affine,tracked", list(itertools.product([True, False], repeat=2)))
+@pytest.mark.parametrize("grads", ["all", "input", "parameters"])
+def test_a_batch_norm_from_a_split_batch_keeps_what_its_rule_says(affine, tracked, grads):
+    # The kernel of a batch norm from the batch's statistics over a split batch (here
+    # over no axis: one rank), for every set of affine parameters and of tensors that
+    # need a gradient.
+    from autoshard.cost.model import saved_bytes
+    from autoshard.runtime.ops import _ShardedNorm
+    from autoshard.strategies.norm import BATCH_NORM
+
+    module = _BatchNorm(affine, tracked)
+    norm = module.norm
+    x = torch.randn(4, 8, 6, requires_grad=grads != "parameters")
+    for p in module.parameters():
+        p.requires_grad_(grads != "input")
+    if not x.requires_grad and not any(p.requires_grad for p in module.parameters()):
+        pytest.skip("nothing needs a gradient")
+    [node] = [
+        n
+        for n in trace(module, (x,)).graph_module.graph.nodes
+        if n.target == aten.batch_norm.default
+    ]
+    inputs = [
+        x,
+        *(
+            t
+            for t in (norm.weight, norm.bias, norm.running_mean, norm.running_var)
+            if t is not None
+        ),
+    ]
+    needs_grad = [t.requires_grad for t in inputs]
+    predicted = saved_bytes(
+        node,
+        [tuple(t.shape) for t in inputs],
+        (4, 8, 6),
+        needs_grad=needs_grad,
+        lowering=BATCH_NORM,
+    )
+    channels = (1, -1, 1)
+
+    def step():
+        weight = norm.weight.view(channels) if affine else None
+        bias = norm.bias.view(channels) if affine else None
+        _ShardedNorm.apply(x, weight, bias, 1e-5, (0, 2), (), "norm")[0].sum().backward()
+
+    assert measure_memory(step, exclude=list(module.parameters())).saved_bytes == predicted
