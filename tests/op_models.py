@@ -890,3 +890,36 @@ class MeanKeptWhole(nn.Module):
 
 def mean_kept_whole():
     return MeanKeptWhole(), (torch.randn(4, 6, 16),)
+
+
+class Ranked(nn.Module):
+    """Maxima and minima along a dim with their indices, a top k (a router's), sorts,
+    a median, a k-th value, a mode, and norms of rows (F.normalize)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        biggest, where = h.max(dim=-1, keepdim=True)
+        smallest = h.min(dim=1).values.unsqueeze(1)
+        top, chosen = h.topk(4, dim=-1)
+        ranked, order = h.sort(dim=-1, descending=True)
+        stable = h.sort(dim=1, stable=True).values
+        median = h.median(dim=-1, keepdim=True).values
+        kth = h.kthvalue(3, dim=-1, keepdim=True).values
+        mode = h.round().mode(dim=-1, keepdim=True).values
+        picked = top.softmax(-1).sum(-1, keepdim=True) * chosen.float().mean(-1, keepdim=True)
+        h = (
+            F.normalize(h, dim=-1) * torch.linalg.vector_norm(h, dim=1, keepdim=True)
+            + picked
+            + (biggest - smallest + median + kth + mode) * where.float() / 16
+            + ranked * stable
+            + order.argsort(dim=-1).float() / 16
+        )
+        return self.down(h)
+
+
+def ranked():
+    return Ranked(), (torch.randn(4, 6, 16),)

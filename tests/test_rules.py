@@ -448,3 +448,22 @@ def test_losses_computed_element_by_element_match_serial(strategy, mesh):
 def test_a_mean_of_every_dim_kept_keeps_its_dims(mesh, strategy):
     # each rank's share dropped keepdim: a 0-d result where serial has [1, 1, 1]
     assert_equivalent(f"{OPS}:mean_kept_whole", mesh, strategy=strategy, steps=2)
+
+
+def test_values_with_their_indices_and_norms_keep_their_other_dims_split():
+    # max/min along a dim, topk, sort, median, kthvalue, mode and vector norms ran
+    # replicated, on gathered inputs
+    plan, no_rule = _plan("ranked")
+    assert not no_rule
+    ops = ("max.dim", "min.dim", "topk", "sort", "argsort", "median", "kthvalue", "mode")
+    ops += ("linalg_vector_norm",)
+    along = [n for n in plan.nodes.values() if n.op.startswith(tuple(f"aten.{o}" for o in ops))]
+    assert len(along) == 11
+    for node in along:
+        assert node.strategy.family != "replicated" and any(node.strategy.inputs[0].dims)
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("strategy", ["3d", "megatron"])
+def test_values_with_their_indices_and_norms_match_serial(strategy, mesh):
+    assert_equivalent(f"{OPS}:ranked", mesh, strategy=strategy, steps=2)

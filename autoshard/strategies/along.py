@@ -1,7 +1,8 @@
 """Ops that work along some dims of their input and need each of those whole on a
-rank (a maximum, a variance, a scan, a flip, a roll, an index of the largest, a
-selection of rows by an index): those dims are gathered, the others keep their
-shards; an index operand is whole.
+rank (a maximum, a variance, a norm, a scan, a flip, a roll, an index of the largest,
+a top k, a sort, a selection of rows by an index): those dims are gathered, the
+others keep their shards; an index operand is whole, values and their indices are
+laid out alike.
 
     x.amax(-1)             # x [B, S, H] split over B and H: H gathered, B stays split
     x.flip(1)              # S whole, B and H as they come
@@ -18,7 +19,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make, whole_operands
-from autoshard.strategies.registry import keeps_input, register
+from autoshard.strategies.registry import keeps_input, keeps_output, register
 from autoshard.tracing.trace import argument
 
 
@@ -42,6 +43,19 @@ _KEEP_BOTH = {
     aten.cumprod.default: "dim",
     aten.logcumsumexp.default: "dim",
 }
+_RANKS = {  # values with their indices (argsort: the indices alone); backward scatters
+    aten.max.dim: "dim",  # the gradient to the indices
+    aten.min.dim: "dim",
+    aten.topk.default: "dim",
+    aten.sort.default: "dim",
+    aten.sort.stable: "dim",
+    aten.argsort.default: "dim",
+    aten.argsort.stable: "dim",
+    aten.median.dim: "dim",
+    aten.kthvalue.default: "dim",
+    aten.mode.default: "dim",
+}
+_NORMS = {aten.linalg_vector_norm.default: "dim", aten.norm.ScalarOpt_dim: "dim"}
 _TESTS = {
     aten.any.dim: "dim",
     aten.any.dims: "dim",
@@ -51,7 +65,16 @@ _TESTS = {
 # an empty list of dims names none: these return their input as it is
 _NONE_IF_EMPTY = frozenset({aten.flip.default, aten.any.dims, aten.all.dims})
 _SELECTIONS = {aten.index_select.default: "dim"}  # rows of a sinusoidal table, by an index
-_DIMS = {**_INDICES, **_MOVES, **_KEEP_INPUT, **_KEEP_BOTH, **_TESTS, **_SELECTIONS}
+_DIMS = {
+    **_INDICES,
+    **_MOVES,
+    **_KEEP_INPUT,
+    **_KEEP_BOTH,
+    **_TESTS,
+    **_SELECTIONS,
+    **_RANKS,
+    **_NORMS,
+}
 
 
 def along(ctx: Context) -> list[Strategy]:
@@ -67,12 +90,15 @@ def along(ctx: Context) -> list[Strategy]:
         worked = set() if ctx.node.target in _NONE_IF_EMPTY else set(range(nd))
     whole = Layout(tuple(() if d in worked else axes for d, axes in enumerate(x.dims)))
     inputs = [whole, *whole_operands(ctx, 1)]  # an index whole
-    if len(ctx.out_shape) == nd:  # keepdim, a scan, a flip, a roll, a selection
-        return [make("follow", inputs, whole)]
-    if len(ctx.out_shape) != nd - len(worked):
-        raise Unclaimed(f"{_DIMS[ctx.node.target]}={named} for a result of shape {ctx.out_shape}")
+    results = ctx.node.meta["val"]  # values and indices: laid out alike
+    count = len(results) if isinstance(results, (tuple, list)) else 0
+    shape = tuple(results[0].shape) if count else ctx.out_shape
+    if len(shape) == nd:  # keepdim, a scan, a flip, a roll, a selection, a top k
+        return [make("follow", inputs, whole, outputs=(whole,) * count)]
+    if len(shape) != nd - len(worked):
+        raise Unclaimed(f"{_DIMS[ctx.node.target]}={named} for a result of shape {shape}")
     out = Layout(tuple(axes for d, axes in enumerate(whole.dims) if d not in worked))
-    return [make("follow", inputs, out)]
+    return [make("follow", inputs, out, outputs=(out,) * count)]
 
 
 def _keeps_index(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
@@ -82,4 +108,5 @@ def _keeps_index(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved
 register(*_INDICES, *_MOVES, *_TESTS)(along)
 register(*_SELECTIONS, saved=_keeps_index)(along)
 register(*_KEEP_INPUT, saved=keeps_input)(along)
-register(*_KEEP_BOTH, saved=_keeps_input_and_output)(along)
+register(*_KEEP_BOTH, *_NORMS, saved=_keeps_input_and_output)(along)
+register(*_RANKS, saved=keeps_output)(along)  # the indices

@@ -48,6 +48,10 @@ OTHERS = (  # counted as keeping nothing (add, sub, neg, casts and copies keep n
     aten.reciprocal.default,
     aten.sign.default,
     aten.sgn.default,
+    aten.round.default,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.trunc.default,
     # comparisons and logical ops: masks, built elementwise from ids and positions
     aten.eq.Tensor,
     aten.eq.Scalar,
@@ -95,6 +99,8 @@ KEEP_INPUT = (
     aten.softshrink.default,
     aten.hardshrink.default,
     aten.threshold.default,
+    aten.clamp_min.default,  # F.normalize's floor under the norm
+    aten.clamp_max.default,
 )
 
 
