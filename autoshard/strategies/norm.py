@@ -75,6 +75,32 @@ def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 LAYER_NORM = Lowering("layer_norm", _sharded_features, saved=_sharded_features_saved)
 
 
+def _normalizing(
+    ctx: Context, lay: Layout, stat_axes: tuple, count: int, affine: Layout, lowering: Lowering
+) -> Strategy:
+    """The input in `lay` and the output alike, the affine operands in `affine`; where
+    `stat_axes` split what is normalized, `lowering` combines every rank's `count`
+    statistics (a mean and an M2 each, gathered over each axis) in forward and
+    all-reduces two sums per statistic in backward."""
+    itemsize = ctx.inputs[0].meta["val"].element_size()
+    grad_itemsize = ctx.node.meta["val"].element_size()  # the output's, with the weight's
+    statistics = []
+    for axis in stat_axes:
+        n = ctx.mesh.size(axis)
+        statistics += [
+            Step("all_gather", axis, 0, "identity", 2 * count * itemsize * n, n),
+            Step("grad_all_reduce", axis, None, "all_reduce", 2 * count * grad_itemsize, n),
+        ]
+    return make(
+        "follow",
+        [lay] + [affine] * (len(ctx.inputs) - 1),
+        lay,
+        lowering=lowering if stat_axes else None,
+        internal=tuple(statistics),
+        detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
+    )
+
+
 def _sharded_batch(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     dims = placed.strategy.inputs[0].dims
     names = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
@@ -119,29 +145,13 @@ def batch_norm(ctx: Context) -> list[Strategy]:
     gathered first."""
     x = ctx.layout(0)
     from_batch = argument(ctx.node, "training")
-    itemsize = ctx.inputs[0].meta["val"].element_size()
     candidates = []
     for dims in (x.dims, ((),) + x.dims[1:2] + ((),) * (len(x.dims) - 2)):
         stat_axes = tuple(a for axes in dims[:1] + dims[2:] for a in axes) if from_batch else ()
         lay = Layout(dims)
         channels = lay.local_shape(ctx.shape(0), ctx.mesh)[1]
-        statistics = []
-        for axis in stat_axes:
-            n = ctx.mesh.size(axis)
-            statistics += [
-                Step("all_gather", axis, 0, "identity", 2 * channels * itemsize * n, n),
-                Step("grad_all_reduce", axis, None, "all_reduce", 2 * channels * itemsize, n),
-            ]
-        per_channel = [Layout(dims[1:2])] * (len(ctx.inputs) - 1)
         candidates.append(
-            make(
-                "follow",
-                [lay, *per_channel],
-                lay,
-                lowering=BATCH_NORM if stat_axes else None,
-                internal=tuple(statistics),
-                detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
-            )
+            _normalizing(ctx, lay, stat_axes, channels, Layout(dims[1:2]), BATCH_NORM)
         )
         if not stat_axes:
             break
@@ -183,31 +193,11 @@ def layer_norm(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     k = len(argument(ctx.node, "normalized_shape"))
     candidates = []
-    itemsize = ctx.inputs[0].meta["val"].element_size()
-    grad_itemsize = ctx.node.meta["val"].element_size()  # the output's, with the weight's
     for dims in (x.dims, x.dims[:-k] + ((),) * k):
         stat_axes = tuple(a for axes in dims[-k:] for a in axes)
         lay = Layout(dims)
         rows = math.prod(lay.local_shape(ctx.shape(0), ctx.mesh)[:-k])
-        # forward: every rank's (mean, M2), gathered; backward: two sums, all-reduced
-        statistics = []
-        for axis in stat_axes:
-            n = ctx.mesh.size(axis)
-            statistics += [
-                Step("all_gather", axis, 0, "identity", 2 * rows * itemsize * n, n),
-                Step("grad_all_reduce", axis, None, "all_reduce", 2 * rows * grad_itemsize, n),
-            ]
-        affine = [Layout(dims[-k:])] * (len(ctx.inputs) - 1)
-        candidates.append(
-            make(
-                "follow",
-                [lay, *affine],
-                lay,
-                lowering=LAYER_NORM if stat_axes else None,
-                internal=tuple(statistics),
-                detail=f"statistics combined over {','.join(stat_axes)}" if stat_axes else "",
-            )
-        )
+        candidates.append(_normalizing(ctx, lay, stat_axes, rows, Layout(dims[-k:]), LAYER_NORM))
         if not stat_axes:
             break
     return candidates
