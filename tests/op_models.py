@@ -923,3 +923,37 @@ class Ranked(nn.Module):
 
 def ranked():
     return Ranked(), (torch.randn(4, 6, 16),)
+
+
+class OtherSpellings(nn.Module):
+    """Ops that are other ops with other arguments (``x.mT``, ``movedim``, ``view_as``,
+    ``tile``) and pointwise or along-a-dim ops users write: division with a rounding
+    mode, clamps by tensors, ``addcmul``, ``lerp``, ``var_mean``, ``std_mean``,
+    ``nansum``."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        scores = (h @ h.mT).softmax(-1) @ h
+        moved = h.movedim(1, 0).exp().movedim(0, 1)
+        tiled = h.tile((1, 2))[..., :16] + h.view_as(x)
+        rounded = torch.div(h, 0.3, rounding_mode="floor") + torch.div(
+            h, h.abs() + 2, rounding_mode="trunc"
+        )
+        clamped = torch.clamp(h, min=-h.detach().abs(), max=h.detach().abs() * 0.5)
+        mixed = (
+            torch.addcmul(h, h, moved, value=0.5)
+            + torch.lerp(h, tiled, 0.3)
+            + torch.lerp(h, scores, h.sigmoid())
+        )
+        var, mean = torch.var_mean(h, dim=-1, keepdim=True)
+        std, mean_1 = torch.std_mean(h, dim=1, keepdim=True, correction=0)
+        total = torch.nansum(h, dim=-1, keepdim=True)
+        return self.down(mixed + rounded + clamped + var + mean + std + mean_1 + total / 16)
+
+
+def other_spellings():
+    return OtherSpellings(), (torch.randn(4, 6, 16),)

@@ -89,6 +89,17 @@ SHARDED = {
         "_upsample_nearest_exact2d": "aten._upsample_nearest_exact2d.vec",
         "upsample_linear1d": "aten.upsample_linear1d.vec",
     },
+    "other_spellings": {
+        "m_t": "aten.transpose.int",
+        "movedim": "aten.permute.default",
+        "tile": "aten.repeat.default",
+        "view_as": "aten.view.default",
+        "div": "aten.div.Tensor_mode",
+        "clamp": "aten.clamp.Tensor",
+        "addcmul": "aten.addcmul.default",
+        "lerp_1": "aten.lerp.Tensor",
+        "nansum": "aten.nansum.default",
+    },
     "batch_norms": {
         "batch_norm": "aten.batch_norm.default",
         "batch_norm_1": "aten.batch_norm.default",

@@ -32,7 +32,12 @@ def _keeps_input_and_output(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 # op → the argument naming the dims it works along
 _INDICES = {aten.argmax.default: "dim", aten.argmin.default: "dim"}
 _MOVES = {aten.roll.default: "dims", aten.flip.default: "dims"}
-_KEEP_INPUT = {aten.var.correction: "dim", aten.var.dim: "dim", aten.glu.default: "dim"}
+_KEEP_INPUT = {
+    aten.var.correction: "dim",
+    aten.var.dim: "dim",
+    aten.glu.default: "dim",
+    aten.nansum.default: "dim",
+}
 _KEEP_BOTH = {
     aten.std.correction: "dim",
     aten.std.dim: "dim",
@@ -42,6 +47,10 @@ _KEEP_BOTH = {
     aten.prod.dim_int: "dim",
     aten.cumprod.default: "dim",
     aten.logcumsumexp.default: "dim",
+    aten.var_mean.dim: "dim",
+    aten.var_mean.correction: "dim",
+    aten.std_mean.dim: "dim",
+    aten.std_mean.correction: "dim",
 }
 _RANKS = {  # values with their indices (argsort: the indices alone); backward scatters
     aten.max.dim: "dim",  # the gradient to the indices

@@ -101,6 +101,10 @@ KEEP_INPUT = (
     aten.threshold.default,
     aten.clamp_min.default,  # F.normalize's floor under the norm
     aten.clamp_max.default,
+    aten.clamp.Tensor,
+    aten.addcmul.default,
+    aten.lerp.Scalar,
+    aten.lerp.Tensor,
 )
 
 
@@ -148,7 +152,7 @@ register(*OTHERS)(follow)
 register(*KEEP_OUTPUT, saved=keeps_output)(follow)
 register(*KEEP_INPUT, saved=keeps_input)(follow)
 register(aten.mul.Tensor, saved=_keeps_operands)(follow)
-register(aten.div.Tensor, saved=_keeps_divisor)(follow)
+register(aten.div.Tensor, aten.div.Tensor_mode, saved=_keeps_divisor)(follow)
 register(aten.where.self, saved=keeps_input)(follow)  # the condition
 register(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saved=_keeps_mask)(follow)
 register(aten.alias.default, free=True, aliases=True)(follow)

@@ -24,7 +24,8 @@ the buffer for backward (``h * self.steps``) then fails there. That copy is drop
 
 RoFormer reshapes by example, ``x.reshape_as(other)``: shapes are static in a
 traced graph, so that is ``aten.reshape(x, other's shape)`` (and ``expand_as``,
-``aten.expand``).
+``aten.expand``, and ``view_as``). Likewise ``x.mT`` is a transpose, ``movedim`` a
+permute and ``tile`` a repeat.
 
 XLNet, Funnel and ProphetNet write attention as ``einsum("bind,bjnd->bnij", q, k)``,
 which no rule knows. A two-operand einsum is a batched matmul between permutes and
@@ -88,6 +89,7 @@ def canonicalize(graph: fx.Graph) -> None:
     fold_transposed_weights(graph)
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
+    permutes_by_number(graph)
     detach_out_of_place(graph)
     pad_convolutions_by_number(graph)
     einsum_as_products(graph)
@@ -179,16 +181,38 @@ def fold_transposed_experts(graph: fx.Graph) -> None:
 _BY_SHAPE = {
     aten.reshape_as.default: aten.reshape.default,
     aten.expand_as.default: aten.expand.default,
+    aten.view_as.default: aten.view.default,
 }
 
 
 def reshape_by_shape(graph: fx.Graph) -> None:
-    """``reshape_as(x, other)`` → ``reshape(x, other.shape)``, and ``expand_as`` →
-    ``expand`` likewise, in place."""
+    """``reshape_as(x, other)`` → ``reshape(x, other.shape)``, and ``expand_as`` and
+    ``view_as`` likewise, in place."""
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _BY_SHAPE:
             x, other = node.args
             node.target, node.args = _BY_SHAPE[node.target], (x, list(other.meta["val"].shape))
+
+
+def permutes_by_number(graph: fx.Graph) -> None:
+    """``x.mT`` → ``transpose(x, -2, -1)``, ``movedim(x, i, j)`` → ``permute(x, order)``
+    and ``tile(x, reps)`` → ``repeat(x, reps)``, the reps padded with ones to x's
+    dims, in place."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten.mT.default:
+            node.target, node.args = aten.transpose.int, (node.args[0], -2, -1)
+        elif node.target == aten.movedim.int:
+            x, source, destination = node.args
+            nd = x.meta["val"].dim()
+            order = list(range(nd))
+            order.insert(destination % nd, order.pop(source % nd))
+            node.target, node.args = aten.permute.default, (x, order)
+        elif node.target == aten.tile.default:
+            x, reps = node.args
+            padded = [1] * (x.meta["val"].dim() - len(reps)) + list(reps)
+            node.target, node.args = aten.repeat.default, (x, padded)
 
 
 def fold_transposed_weights(graph: fx.Graph) -> None:
