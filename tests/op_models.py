@@ -957,3 +957,28 @@ class OtherSpellings(nn.Module):
 
 def other_spellings():
     return OtherSpellings(), (torch.randn(4, 6, 16),)
+
+
+class DropoutInPlace(nn.Module):
+    """``nn.Dropout(inplace=True)`` on a new tensor (a layer's activation), and on a view
+    of one (its update must reach the viewed tensor: left in place)."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+        self.drop = nn.Dropout(0.3, inplace=True)
+        self.drop_view = nn.Dropout(0.2, inplace=True)
+
+    def forward(self, x):
+        h = self.drop(F.gelu(self.up(x)))
+        rows = self.up(x).view(-1, h.shape[-1])
+        return self.down(h) + self.down(self.drop_view(rows).view(h.shape))
+
+
+def dropout_in_place():
+    return DropoutInPlace(), (torch.randn(4, 6, 16),)
+
+
+def dropout_in_place_eval():
+    model, inputs = dropout_in_place()
+    return model.eval(), inputs

@@ -478,3 +478,14 @@ def test_values_with_their_indices_and_norms_keep_their_other_dims_split():
 @pytest.mark.parametrize("strategy", ["3d", "megatron"])
 def test_values_with_their_indices_and_norms_match_serial(strategy, mesh):
     assert_equivalent(f"{OPS}:ranked", mesh, strategy=strategy, steps=2)
+
+
+@pytest.mark.parametrize("name", ["dropout_in_place", "dropout_in_place_eval"])
+def test_a_dropout_in_place_on_a_new_tensor_runs_as_a_split_dropout(name):
+    # it ran replicated, on a gathered copy
+    plan, no_rule = _plan(name)
+    dropout = plan.nodes["dropout_"]
+    assert dropout.op == "aten.dropout.default" and dropout.local_shape != dropout.shape
+    in_place = [w for w in no_rule if "dropout_" in w]  # the view's, left as it is
+    assert len(in_place) == 1 and "'dropout__1'" in in_place[0]
+    assert_equivalent(f"{OPS}:{name}", (2, 2, 2), strategy="3d", steps=2)

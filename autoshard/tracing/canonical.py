@@ -15,7 +15,9 @@ Mixture-of-experts layers multiply by a transposed expert parameter
 A tensor made in forward, ``torch.tensor(data, device=x.device)`` (BigBird's random
 blocks), traces as a copy detached in place (``aten.detach_``), which the in-place rules
 would refuse as an update of a view: an in-place detach changes no value, only what
-autograd records, so it is ``aten.detach``, read by everything after it.
+autograd records, so it is ``aten.detach``, read by everything after it. Likewise
+``nn.Dropout(inplace=True)``'s ``aten.dropout_`` is ``aten.dropout`` read in its
+input's place, where nothing else shares that input's storage.
 
 A buffer updated in place in forward (``self.steps += 1``) is written back by
 torch.export as a copy of the updated buffer into itself, ``copy_(steps, add_)``:
@@ -90,7 +92,7 @@ def canonicalize(graph: fx.Graph) -> None:
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
     permutes_by_number(graph)
-    detach_out_of_place(graph)
+    updates_out_of_place(graph)
     pad_convolutions_by_number(graph)
     einsum_as_products(graph)
     broadcasts_as_expands(graph)
@@ -150,13 +152,38 @@ def _schema_arguments(node: fx.Node) -> list:
     ]
 
 
-def detach_out_of_place(graph: fx.Graph) -> None:
-    """``detach_(x)`` → ``detach(x)``, which every reader of `x` after it reads, in place."""
+_OUT_OF_PLACE = {
+    aten.detach_.default: aten.detach.default,
+    aten.dropout_.default: aten.dropout.default,
+}
+
+
+def updates_out_of_place(graph: fx.Graph) -> None:
+    """``detach_(x)`` → ``detach(x)`` and ``dropout_(x, p, train)`` → ``dropout(x, p,
+    train)``, which every reader of `x` after it reads, in place. A dropout changes
+    values: it is rewritten only where nothing else shares x's storage (x made as a new
+    tensor and viewed by nothing), so that no other reader could have seen the update."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    for node in graph.find_nodes(op="call_function", target=aten.detach_.default):
-        node.target = aten.detach.default
+    for node in list(graph.nodes):
+        functional = _OUT_OF_PLACE.get(node.target) if node.op == "call_function" else None
+        x = node.args[0] if functional is not None else None
+        if functional is None or (functional is aten.dropout.default and _shared(x, node)):
+            continue
+        node.target = functional
         after = order[node]
-        node.args[0].replace_all_uses_with(node, lambda user, after=after: order[user] > after)
+        x.replace_all_uses_with(node, lambda user, after=after: order[user] > after)
+
+
+def _shared(x: fx.Node, update: fx.Node) -> bool:
+    """Whether x's storage may be read other than as `x` itself: x is not a new tensor
+    made in forward (an input, a parameter, a view, one result of several), or a node
+    but `update` views it."""
+    made = x.op == "call_function" and x.target is not operator.getitem
+    return not made or any(_aliases(n) for n in (x, *x.users) if n is not update)
+
+
+def _aliases(node: fx.Node) -> bool:
+    return any(r.alias_info is not None for r in schema_returns(node))
 
 
 def fold_transposed_experts(graph: fx.Graph) -> None:
