@@ -762,12 +762,14 @@ class PointwiseLosses(nn.Module):
     """Losses computed element by element, every reduction: mean squared error
     (mean), L1 (sum), Huber (none, then a mean), binary cross-entropy with a weight
     per feature, with logits and a positive weight per feature, KL divergence
-    ("batchmean": a sum, then a division), soft margin against a broadcast target."""
+    ("batchmean": a sum, then a division, and of a learned prior smaller than its
+    target, which kl_div broadcasts itself), soft margin against a broadcast target."""
 
     def __init__(self, hidden=16):
         super().__init__()
         self.up, self.head = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
         self.register_buffer("weight", torch.linspace(0.5, 2.0, hidden))
+        self.prior = nn.Parameter(torch.randn(hidden))  # smaller than kl_div's target
 
     def forward(self, x, target):
         h = self.head(torch.relu(self.up(x)))
@@ -780,6 +782,7 @@ class PointwiseLosses(nn.Module):
             + F.binary_cross_entropy_with_logits(h, p, pos_weight=self.weight)
             + F.kl_div(h.log_softmax(-1), q, reduction="batchmean")
             + F.soft_margin_loss(h, target[:1].sign().expand_as(h))
+            + F.kl_div(self.prior.log_softmax(-1), h.softmax(-1), reduction="sum") / 32
         )
 
 

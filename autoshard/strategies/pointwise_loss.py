@@ -10,10 +10,11 @@ each rank's mean as its share, `reduction.MEAN`).
 
 from __future__ import annotations
 
+import torch
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Saved, Strategy, make
+from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.reduction import MEAN
 from autoshard.strategies.registry import register
@@ -40,11 +41,15 @@ def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Sa
     lowerings=(MEAN,),
 )
 def pointwise_loss(ctx: Context) -> list[Strategy]:
-    """The operands laid out as the input (broadcast ones as they broadcast); the loss
-    per element as the input, or its sum or mean pending over all the input's axes."""
-    x = ctx.layout(0)
-    shape = ctx.shape(0)
-    inputs = [aligned(x, ctx.shape(i), shape) for i in range(len(ctx.inputs))]
+    """The operands laid out as the one of their broadcast shape (the others as they
+    broadcast: kl_div's input may be smaller than its target); the loss per element
+    laid out alike, or its sum or mean pending over all that layout's axes."""
+    shapes = [tuple(ctx.shape(i)) for i in range(len(ctx.inputs))]
+    full = tuple(torch.broadcast_shapes(*shapes))
+    if full not in shapes:
+        raise Unclaimed(f"operands {[list(s) for s in shapes]}, none of them of their broadcast")
+    x = ctx.layout(shapes.index(full))
+    inputs = [aligned(x, shape, full) for shape in shapes]
     reduction = argument(ctx.node, "reduction")
     if reduction == NONE:
         return [make("follow", inputs, x)]
