@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import autoshard
 from autoshard.errors import StrategyError, TraceError
@@ -489,3 +490,16 @@ def test_a_dropout_in_place_on_a_new_tensor_runs_as_a_split_dropout(name):
     in_place = [w for w in no_rule if "dropout_" in w]  # the view's, left as it is
     assert len(in_place) == 1 and "'dropout__1'" in in_place[0]
     assert_equivalent(f"{OPS}:{name}", (2, 2, 2), strategy="3d", steps=2)
+
+
+def test_a_sharded_norm_computes_its_statistics_in_fp32():
+    # a half-precision M2 over a batch's N·H·W elements overflowed: rstd 0, the output
+    # the bias (the review found it); ATen's kernel accumulates in fp32
+    from autoshard.runtime.ops import _ShardedNorm
+
+    torch.manual_seed(0)
+    x = (torch.randn(64, 4, 32, 32) * 0.5 + 20).half()
+    out, _, m2 = _ShardedNorm.apply(x, None, None, 1e-5, (0, 2, 3), (), "norm")
+    exact = F.batch_norm(x.double(), None, None, training=True)
+    assert out.dtype == torch.float16 and m2.isfinite().all()
+    assert (out.double() - exact).abs().max() < 0.01

@@ -75,13 +75,17 @@ class _ShardedNorm(torch.autograd.Function):
     et al.'s parallel variance does: exact, with none of the cancellation of
     E[x²] − mean² where the mean is large against the spread. Backward all-reduces,
     stacked, the two sums that the input's gradient needs. It keeps the normalized
-    input and rstd (in the input's dtype), and the weight."""
+    input and rstd (in the input's dtype), and the weight. The statistics are computed
+    and gathered in fp32 at least."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, dims, groups, node):
         count = math.prod([x.shape[d] for d in dims])  # elements on this rank, then combined
-        mean = x.mean(dims, keepdim=True)
-        m2 = (x - mean).square().sum(dims, keepdim=True)
+        # statistics in fp32 at least, as ATen's kernels: a half-precision M2 over a
+        # batch's N·H·W elements overflows
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean = wide.mean(dims, keepdim=True)
+        m2 = (wide - mean).square().sum(dims, keepdim=True)
         for group in groups:
             stats = comm.collective("all_gather", torch.stack([mean, m2]), group, node, dim=0)
             means, m2s = stats.view(group.size, 2, *mean.shape).unbind(1)
@@ -89,7 +93,8 @@ class _ShardedNorm(torch.autograd.Function):
             m2 = m2s.sum(0) + count * (means - mean).square().sum(0)
             count *= group.size
         rstd = torch.rsqrt(m2 / count + eps)
-        normalized = (x - mean) * rstd
+        normalized = ((wide - mean) * rstd).to(x.dtype)
+        rstd = rstd.to(x.dtype)
         needs_x, needs_weight = ctx.needs_input_grad[:2]
         ctx.save_for_backward(
             normalized if needs_x or needs_weight else None,

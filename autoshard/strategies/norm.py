@@ -82,7 +82,7 @@ def _normalizing(
     `stat_axes` split what is normalized, `lowering` combines every rank's `count`
     statistics (a mean and an M2 each, gathered over each axis) in forward and
     all-reduces two sums per statistic in backward."""
-    itemsize = ctx.inputs[0].meta["val"].element_size()
+    itemsize = max(ctx.inputs[0].meta["val"].element_size(), STATISTIC_BYTES)  # fp32 at least
     grad_itemsize = ctx.node.meta["val"].element_size()  # the output's, with the weight's
     statistics = []
     for axis in stat_axes:
