@@ -985,3 +985,20 @@ def dropout_in_place():
 def dropout_in_place_eval():
     model, inputs = dropout_in_place()
     return model.eval(), inputs
+
+
+class MaximumOfAScalar(nn.Module):
+    """``max(dim=0)`` of a 0-d tensor: its values and index, both 0-d."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        h = self.up(x)
+        biggest, _ = h.square().mean().max(dim=0)
+        return h * biggest
+
+
+def maximum_of_a_scalar():
+    return MaximumOfAScalar(), (torch.randn(4, 16),)

@@ -503,3 +503,8 @@ def test_a_sharded_norm_computes_its_statistics_in_fp32():
     exact = F.batch_norm(x.double(), None, None, training=True)
     assert out.dtype == torch.float16 and m2.isfinite().all()
     assert (out.double() - exact).abs().max() < 0.01
+
+
+def test_values_with_their_indices_of_a_0d_tensor_are_laid_out_each():
+    # the 0-d branch gave no layout per result: planning raised IndexError at the getitem
+    assert_equivalent(f"{OPS}:maximum_of_a_scalar", (2, 2, 2), strategy="3d", steps=2)

@@ -89,8 +89,12 @@ _DIMS = {
 def along(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(x.dims)
+    results = ctx.node.meta["val"]  # values and indices: laid out alike
+    count = len(results) if isinstance(results, (tuple, list)) else 0
+    shape = tuple(results[0].shape) if count else ctx.out_shape
     if nd == 0:
-        return [make("follow", [x, *whole_operands(ctx, 1)], Layout.replicated(len(ctx.out_shape)))]
+        whole = Layout.replicated(len(shape))
+        return [make("follow", [x, *whole_operands(ctx, 1)], whole, outputs=(whole,) * count)]
     named = argument(ctx.node, _DIMS[ctx.node.target])
     named = [named] if isinstance(named, int) else named
     if named:
@@ -99,9 +103,6 @@ def along(ctx: Context) -> list[Strategy]:
         worked = set() if ctx.node.target in _NONE_IF_EMPTY else set(range(nd))
     whole = Layout(tuple(() if d in worked else axes for d, axes in enumerate(x.dims)))
     inputs = [whole, *whole_operands(ctx, 1)]  # an index whole
-    results = ctx.node.meta["val"]  # values and indices: laid out alike
-    count = len(results) if isinstance(results, (tuple, list)) else 0
-    shape = tuple(results[0].shape) if count else ctx.out_shape
     if len(shape) == nd:  # keepdim, a scan, a flip, a roll, a selection, a top k
         return [make("follow", inputs, whole, outputs=(whole,) * count)]
     if len(shape) != nd - len(worked):

@@ -165,11 +165,10 @@ def _keeps_input_and_slopes(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 
 @register(aten.prelu.default, saved=_keeps_input_and_slopes)
 def prelu(ctx: Context) -> list[Strategy]:
-    """``prelu(x, weight)``: one slope per channel (x's dim 1, dim 0 of a 1-d x) split as
-    the channels are, or one slope for all, whole."""
+    """``prelu(x, weight)``: one slope per channel (x's dim 1) split as the channels are,
+    or one slope for all, whole."""
     x = ctx.layout(0)
-    per_channel = ctx.shape(1)[0] != 1 and x.dims
-    slopes = Layout((x.dims[min(1, len(x.dims) - 1)],)) if per_channel else Layout(((),))
+    slopes = Layout((x.dims[1],)) if ctx.shape(1)[0] != 1 else Layout(((),))
     return [make("follow", [x, slopes], x)]
 
 
