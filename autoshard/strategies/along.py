@@ -89,9 +89,9 @@ _DIMS = {
 def along(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     nd = len(x.dims)
-    results = ctx.node.meta["val"]  # values and indices: laid out alike
-    count = len(results) if isinstance(results, (tuple, list)) else 0
-    shape = tuple(results[0].shape) if count else ctx.out_shape
+    results = ctx.result_shapes  # values and indices: laid out alike
+    count = len(results)
+    shape = results[0] if results else ctx.out_shape
     if nd == 0:
         whole = Layout.replicated(len(shape))
         return [make("follow", [x, *whole_operands(ctx, 1)], whole, outputs=(whole,) * count)]

@@ -167,6 +167,13 @@ class Context:
         val = self.node.meta["val"]
         return tuple(val.shape) if is_tensor(self.node) else ()
 
+    @property
+    def result_shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each tensor an op of several results returns (a split's pieces,
+        values and their indices); none for an op of one."""
+        val = self.node.meta["val"]
+        return [tuple(t.shape) for t in val] if isinstance(val, (tuple, list)) else []
+
     def layout(self, i: int) -> Layout:
         return self.layouts[i] or Layout.replicated(len(self.shape(i)))
 

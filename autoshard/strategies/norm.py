@@ -58,17 +58,22 @@ def _sharded_features(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     node.kwargs = {"normalized_ndim": k, "axes": axes, "node": node.name}
 
 
-def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.ops.layer_norm` keeps the normalized input (for either
-    gradient), and for the input's, rstd per row (in the input's dtype) and the weight."""
-    inputs = tensor_inputs(node)
-    x, item = numel(in_shapes[0]), itemsize(inputs[0])
-    rows = numel(in_shapes[0][: -len(node.args[1])])
+def _keeps_normalized(node, in_shapes, needs_grad, statistics: int) -> Saved:
+    """`autoshard.runtime.ops`' sharded norms keep the normalized input (for either
+    gradient), and for the input's, rstd per statistic (in the input's dtype) and the
+    weight."""
+    x, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
     has_weight = argument(node, "weight") is not None  # else input 1 is the bias, if any
     needs_x, needs_weight = needs_grad[0], has_weight and needs_grad[1]
     weight = (1,) if has_weight and needs_x else ()
-    kept = (x if needs_x or needs_weight else 0) + (rows if needs_x else 0)
+    kept = (x if needs_x or needs_weight else 0) + (statistics if needs_x else 0)
     return Saved(weight, extra_bytes=kept * item)
+
+
+def _sharded_features_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """One statistic per row."""
+    rows = numel(in_shapes[0][: -len(node.args[1])])
+    return _keeps_normalized(node, in_shapes, needs_grad, rows)
 
 
 # over features split across mesh axes: statistics combined over them
@@ -113,13 +118,8 @@ def _sharded_batch(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 def _sharded_batch_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.ops.batch_norm` keeps the normalized input (for either
-    gradient), and for the input's, rstd per channel and the weight."""
-    x, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
-    has_weight = argument(node, "weight") is not None
-    needs_x, needs_weight = needs_grad[0], has_weight and needs_grad[1]
-    kept = (x if needs_x or needs_weight else 0) + (in_shapes[0][1] if needs_x else 0)
-    return Saved((1,) if has_weight and needs_x else (), extra_bytes=kept * item)
+    """One statistic per channel."""
+    return _keeps_normalized(node, in_shapes, needs_grad, in_shapes[0][1])
 
 
 def _batch_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:

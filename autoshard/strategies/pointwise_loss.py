@@ -20,7 +20,7 @@ from autoshard.strategies.reduction import MEAN
 from autoshard.strategies.registry import register
 from autoshard.tracing.trace import argument, tensor_inputs
 
-NONE, MEAN_REDUCTION, SUM = 0, 1, 2  # ATen's reduction codes
+NONE, MEAN_REDUCTION = 0, 1  # ATen's reduction codes (2: sum)
 
 
 def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:

@@ -62,8 +62,7 @@ def trailing_whole(ctx: Context) -> list[Strategy]:
     x = ctx.layout(0)
     first = len(x.dims) - _TRAILING[ctx.node.target]
     x = Layout(tuple(axes if d < first else () for d, axes in enumerate(x.dims)))
-    results = len(ctx.node.meta["val"]) if isinstance(ctx.node.meta["val"], tuple) else 0
-    return [make("follow", [x], x, outputs=(x,) * results)]
+    return [make("follow", [x], x, outputs=(x,) * len(ctx.result_shapes))]
 
 
 register(*_AVERAGES, *_RESIZES)(trailing_whole)

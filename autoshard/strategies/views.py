@@ -213,7 +213,7 @@ def select(ctx: Context) -> list[Strategy]:
 def split(ctx: Context) -> list[Strategy]:
     dim = _dim_arg(ctx, 2 if ctx.node.target != aten.unbind.int else 1)
     x = _unshard(ctx.layout(0), dim)
-    pieces = len(ctx.node.meta["val"])
+    pieces = len(ctx.result_shapes)
     if ctx.node.target == aten.unbind.int:
         piece = Layout(x.dims[:dim] + x.dims[dim + 1 :])
     else:
