@@ -2,15 +2,15 @@
 
 After `InsertCollectives` and `Localize`, the head, its output collectives, the views
 and casts between and the vocabulary-parallel loss become one call of
-`autoshard.runtime.ops.chunked_cross_entropy`, which runs them piece by piece:
+`autoshard.runtime.losses.chunked_cross_entropy`, which runs them piece by piece:
 
     # before                                        # after (4 chunks)
-    linear_12 = aten.linear(split, all_gather_24)   cross_entropy_loss =
-    reduce_scatter_16 = ...reduce_scatter(            autoshard.runtime.ops.chunked_cross_entropy(
-        linear_12, axis='c', dim=0, ...)                  split, all_gather_24, split_2, chunks=4,
-    view_8 = aten.reshape(reduce_scatter_16, ...)         dim=1, steps=(('reduce_scatter',
-    cross_entropy_loss = ...cross_entropy(                {'axis': 'c', 'dim': 0, ...}),), ...)
-        view_8, split_2, ...)
+    linear_12 = aten.linear(split, all_gather_24)   cross_entropy_loss = autoshard.runtime.
+    reduce_scatter_16 = ...reduce_scatter(            losses.chunked_cross_entropy(
+        linear_12, axis='c', dim=0, ...)                  split, all_gather_24, split_2, None,
+    view_8 = aten.reshape(reduce_scatter_16, ...)         chunks=4, dim=1, steps=((
+    cross_entropy_loss = ...cross_entropy(                'reduce_scatter', {'axis': 'c',
+        view_8, split_2, None, ...)                       'dim': 0, ...}),), ...)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import fx
 
 from autoshard.planning.plan import ChunkedLoss, Plan
-from autoshard.runtime import ops
+from autoshard.runtime import losses
 from passes.insert_collectives import _step_kwargs
 
 
@@ -37,10 +37,10 @@ class ChunkLoss:
     def _rewrite(self, graph: fx.Graph, nodes: dict, chunked: ChunkedLoss) -> None:
         head, loss = nodes[chunked.head], nodes[chunked.loss]
         placed = self.plan.nodes[chunked.head]
-        logits, target = loss.args[:2]
+        logits = loss.args[0]
         steps = tuple((s.kind, _step_kwargs(s)) for s in placed.output_steps)
-        loss.target = ops.chunked_cross_entropy  # in place: its name and readers stay
-        loss.args = (*head.args[:2], target)
+        loss.target = losses.chunked_cross_entropy  # in place: its name and readers stay
+        loss.args = (*head.args[:2], *loss.args[1:])  # target, class weight
         loss.kwargs = {
             "chunks": chunked.chunks,
             "dim": chunked.dim,

@@ -198,7 +198,8 @@ class Arguments(nn.Module):
     """Ops called with the arguments their rules must honour or decline: layer norms
     without weight or bias and with their own eps, a sum over `dim=[]` (every dim),
     and cross-entropies with `ignore_index` (hit by the targets), "sum", per-class
-    weights, label smoothing and "none" (the last three run replicated)."""
+    weights, label smoothing, "none" and probabilities as targets (the last runs
+    replicated)."""
 
     def __init__(self, hidden=16, classes=8):
         super().__init__()
@@ -220,6 +221,7 @@ class Arguments(nn.Module):
             ce(logits, target, weight=self.class_weight),
             ce(logits, target, label_smoothing=0.1),
             ce(logits, target, reduction="none"),
+            ce(logits, logits.detach().softmax(-1)),
         )
 
 

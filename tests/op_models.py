@@ -790,6 +790,44 @@ def pointwise_losses():
     return PointwiseLosses(), (torch.randn(4, 8, 16), torch.randn(4, 8, 16))
 
 
+class ClassLosses(nn.Module):
+    """Cross-entropy and negative log-likelihood with the arguments torch takes for
+    class indices: per-class weights, label smoothing (with weights too), an
+    `ignore_index` the targets hit, every reduction; over [rows, classes] scores,
+    [N, classes, d] (the class dim inside, as a segmentation's) and [classes] with a
+    0-d target. Losses kept per row are weighted unevenly, so each row's gradient
+    counts."""
+
+    def __init__(self, hidden=16, classes=8):
+        super().__init__()
+        self.up, self.head = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, classes)
+        self.register_buffer("weight", torch.linspace(0.5, 2.0, classes))
+
+    def forward(self, x, target):
+        logits = self.head(torch.relu(self.up(x)))  # [4, 8, classes]
+        rows, flat, w = logits.flatten(0, 1), target.flatten(), self.weight
+        inside = logits.transpose(1, 2)  # [4, classes, 8]
+        ramp = torch.arange(flat.numel()) / flat.numel()
+        ce, nll, log_p = F.cross_entropy, F.nll_loss, rows.log_softmax(-1)  # classes whole
+        return (
+            ce(rows, flat, weight=w, ignore_index=3)
+            + ce(rows, flat, weight=w, label_smoothing=0.2, ignore_index=3)
+            + ce(rows, flat, label_smoothing=0.1, reduction="sum") / 32
+            + (ce(rows, flat, weight=w, reduction="none", ignore_index=3) * ramp).sum()
+            + ce(inside, target, weight=w, label_smoothing=0.1)
+            + ce(logits[0, 0], target[0, 0])
+            + nll(F.logsigmoid(rows), flat, weight=w, ignore_index=3)
+            + nll(log_p, flat, reduction="sum") / 32
+            + (nll(F.logsigmoid(inside), target, reduction="none") ** 2).mean()
+        )
+
+
+def class_losses():
+    target = torch.randint(0, 8, (4, 8), generator=torch.Generator().manual_seed(0))
+    target[:, ::3] = 3  # ignored where the loss says so
+    return ClassLosses(), (torch.randn(4, 8, 16), target)
+
+
 class TensorSplits(nn.Module):
     """``tensor_split`` into sections along features, and by indices along tokens."""
 

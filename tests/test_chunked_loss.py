@@ -68,6 +68,32 @@ class TransformedHead(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class WeighedHead(nn.Module):
+    """A block and a bias-free head whose loss weighs its classes, smooths its labels,
+    ignores padding (id 0) and sums."""
+
+    def __init__(self, vocab: int = 64, d: int = 32):
+        super().__init__()
+        self.embed, self.block = nn.Embedding(vocab, d), _Block(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, vocab))
+
+    def forward(self, ids, labels):
+        logits = self.head(self.block(self.embed(ids))).flatten(0, 1)
+        weight = self.class_weight
+        return F.cross_entropy(
+            logits, labels.flatten(), weight, ignore_index=0, label_smoothing=0.1, reduction="sum"
+        )
+
+
+def weighed_head():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (8, 16))
+    labels = ids.roll(-1, dims=1)
+    labels[:, -3:] = 0
+    return WeighedHead(), (ids, labels)
+
+
 def test_a_loss_in_pieces_keeps_the_other_layers_knobs():
     """With the loss in pieces, the head may not regather its input in backward (it
     keeps its pieces of it), while the transform before it still may."""
@@ -86,7 +112,12 @@ def test_a_loss_in_pieces_keeps_the_other_layers_knobs():
 
 @pytest.mark.parametrize(
     "factory,chunks",
-    [(GPT, 4), (f"{__file__}:llama_ignoring_padding", 2), (f"{__file__}:wide_gpt", 8)],
+    [
+        (GPT, 4),
+        (f"{__file__}:llama_ignoring_padding", 2),
+        (f"{__file__}:wide_gpt", 8),
+        (f"{__file__}:weighed_head", 4),
+    ],
 )
 def test_a_loss_in_pieces_matches_serial(factory, chunks):
     model, inputs = load_factory(factory)()

@@ -342,3 +342,71 @@ def test_a_batch_norm_from_a_split_batch_keeps_what_its_rule_says(affine, tracke
         _ShardedNorm.apply(x, weight, bias, 1e-5, (0, 2), (), "norm")[0].sum().backward()
 
     assert measure_memory(step, exclude=list(module.parameters())).saved_bytes == predicted
+
+
+class _ClassLoss(nn.Module):
+    def __init__(self, loss, weighted: bool, reduction: str, **arguments):
+        super().__init__()
+        self.loss, self.reduction, self.arguments = loss, reduction, arguments
+        self.register_buffer("weight", torch.rand(8) + 0.5 if weighted else None)
+
+    def forward(self, scores, target):
+        return self.loss(scores, target, self.weight, reduction=self.reduction, **self.arguments)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_a_cross_entropy_over_split_classes_keeps_what_its_rule_says(
+    weighted, smoothing, reduction
+):
+    # the kernel over classes split over no axis (one rank), every argument that
+    # changes what it keeps
+    from autoshard.cost.model import saved_bytes
+    from autoshard.runtime import losses
+    from autoshard.strategies.loss import CROSS_ENTROPY
+
+    loss = nn.functional.cross_entropy
+    module = _ClassLoss(loss, weighted, reduction, label_smoothing=smoothing, ignore_index=3)
+    logits = torch.randn(6, 8, requires_grad=True)
+    target = torch.tensor([0, 3, 7, 3, 5, 1])
+    graph = trace(module, (logits, target)).graph_module.graph
+    [node] = [n for n in graph.nodes if "loss" in n.name]
+    shapes = [(6, 8), (6,)] + [(8,)] * weighted
+    out = (6,) if reduction == "none" else ()
+    predicted = saved_bytes(node, shapes, out, lowering=CROSS_ENTROPY)
+    code = ["none", "mean", "sum"].index(reduction)
+
+    def step():
+        rows = losses._CrossEntropyRows.apply(
+            logits, target, module.weight, 0, 8, 8, smoothing, 3, (), "loss"
+        )
+        losses._per_row(*rows, target.shape, code, (), "loss").sum().backward()
+
+    resident = [module.weight] if weighted else []  # a buffer, not counted
+    assert measure_memory(step, exclude=resident).saved_bytes == predicted
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_an_nll_loss_over_split_classes_keeps_what_its_rule_says(weighted, reduction):
+    from autoshard.cost.model import saved_bytes
+    from autoshard.runtime import losses
+    from autoshard.strategies.loss import NLL
+
+    module = _ClassLoss(nn.functional.nll_loss, weighted, reduction, ignore_index=3)
+    scores = torch.randn(6, 8, requires_grad=True)
+    target = torch.tensor([0, 3, 7, 3, 5, 1])
+    graph = trace(module, (scores, target)).graph_module.graph
+    [node] = [n for n in graph.nodes if "loss" in n.name]
+    shapes = [(6, 8), (6,)] + [(8,)] * weighted
+    out = (6,) if reduction == "none" else ()
+    predicted = saved_bytes(node, shapes, out, lowering=NLL)
+    code = ["none", "mean", "sum"].index(reduction)
+
+    def step():
+        rows = losses._nll_rows(scores, target, module.weight, 0, 8, 3, (), "loss")
+        losses._per_row(*rows, target.shape, code, (), "loss").sum().backward()
+
+    resident = [module.weight] if weighted else []  # a buffer, not counted
+    assert measure_memory(step, exclude=resident).saved_bytes == predicted

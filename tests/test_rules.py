@@ -456,6 +456,25 @@ def test_losses_computed_element_by_element_match_serial(strategy, mesh):
     assert_equivalent(f"{OPS}:pointwise_losses", mesh, strategy=strategy, steps=2)
 
 
+def test_losses_over_classes_keep_their_classes_split():
+    # weighted, smoothed, per-row and [N, classes, d] cross-entropies, and every
+    # nll_loss, ran replicated on gathered scores
+    plan, no_rule = _plan("class_losses")
+    assert not no_rule
+    ops = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default")
+    losses = [n for n in plan.nodes.values() if n.op in ops]
+    assert len(losses) == 9 and {n.strategy.family for n in losses} == {"vocab-parallel"}
+    dims = [n.strategy.inputs[0].dims for n in losses]
+    classes = [d[1] if len(d) > 1 else d[0] for d in dims]
+    assert sum(bool(axes) for axes in classes) == 8  # all but the log-softmax's, whole
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("strategy", ["3d", "megatron", "3d-allreduce", None])
+def test_losses_over_classes_match_serial(strategy, mesh):
+    assert_equivalent(f"{OPS}:class_losses", mesh, strategy=strategy, steps=2)
+
+
 @pytest.mark.parametrize("mesh, strategy", [((2, 2, 2), "3d"), ((8,), "megatron")])
 def test_a_mean_of_every_dim_kept_keeps_its_dims(mesh, strategy):
     # each rank's share dropped keepdim: a 0-d result where serial has [1, 1, 1]

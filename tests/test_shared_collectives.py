@@ -16,6 +16,7 @@ from autoshard.testing import assert_equivalent, load_factory
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
 BATCH_NORMS = f"{Path(__file__).parent}/op_models.py:batch_norms"
+CLASS_LOSSES = f"{Path(__file__).parent}/op_models.py:class_losses"
 MESH = (2, 2, 2)
 
 
@@ -98,6 +99,16 @@ def test_a_batch_norm_over_a_split_batch_combines_its_statistics_as_predicted():
             "all_gather",
             "all_reduce",
         }
+
+
+def test_losses_over_split_classes_make_the_calls_predicted():
+    """Per row the maximum and one buffer of sums (target score, class weight, what
+    smoothing needs) over the class axes, the loss with a mean's divisor over the
+    row axes; nothing in backward."""
+    for logged, predicted, _, _ in shared_pool(8).run(_calls, MESH, CLASS_LOSSES):
+        assert logged == predicted
+        losses = {(kind, phase) for node, kind, _, phase, _ in logged if "_loss" in node}
+        assert losses == {("all_reduce", "forward")}
 
 
 def test_shared_and_bucketed_program_equals_serial():

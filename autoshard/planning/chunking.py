@@ -27,8 +27,9 @@ import math
 from torch.ops import aten
 
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan
+from autoshard.runtime import losses
 from autoshard.strategies.loss import CROSS_ENTROPY
-from autoshard.tracing.trace import Traced, tensor_inputs
+from autoshard.tracing.trace import Traced, argument, tensor_inputs
 
 # The piece counts the solver chooses from: a ladder, since each count is an option of
 # the unit after the blocks in every variant, and more options make the integer program
@@ -49,12 +50,13 @@ _IGNORED = {aten._assert_tensor_metadata.default}  # checks the trace left, run 
 
 def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
     """Every way `plan` allows of running a loss over its tokens in pieces: for each
-    vocabulary-parallel cross-entropy whose logits a bias-free linear makes (through
+    vocabulary-parallel cross-entropy of [tokens, classes] logits, reduced to a sum or
+    mean, whose logits a bias-free linear makes (through
     views and casts only, read by nothing else), each of `counts` that some token dim
     of the head's product divides."""
     out = []
     for name, placed in plan.nodes.items():
-        if placed.strategy.lowering is not CROSS_ENTROPY:
+        if placed.strategy.lowering is not CROSS_ENTROPY or not _summed_rows(traced.nodes[name]):
             continue
         found = _head(traced, plan, name)
         if found is None:
@@ -65,6 +67,13 @@ def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
             if dim is not None:
                 out.append(ChunkedLoss(head, between, name, chunks, dim))
     return out
+
+
+def _summed_rows(loss) -> bool:
+    """Whether the loss sums (or averages) losses of [tokens, classes] rows, as the
+    pieces' are added."""
+    rows = tensor_inputs(loss)[0].meta["val"].dim() == 2
+    return rows and argument(loss, "reduction") in (losses.MEAN, losses.SUM)
 
 
 def _head(traced: Traced, plan: Plan, loss: str) -> tuple[str, tuple[str, ...]] | None:

@@ -272,6 +272,14 @@ def collective(kind: str, x, group: AxisGroup, node: str, *, dim=None, phase: st
     return _OPS[kind](x, group, dim, node, phase)
 
 
+def summed(x, groups: tuple[AxisGroup, ...], node: str):
+    """The sum over each of `groups` of every rank's `x`, differentiable: each rank's
+    `x` enters the sum once, so its gradient is the sum's (backward identity)."""
+    for group in groups:
+        x = _Pair.apply(x, "all_reduce", "identity", group, None, node)
+    return x
+
+
 @on_mesh
 def all_gather(x, *, axis: str, dim: int, backward: str, node: str, mesh: BoundMesh):
     """Gather the shards of `dim` over `axis`; backward splits or reduce-scatters."""

@@ -268,7 +268,7 @@ _PRODUCT_GRADS = {
 }
 
 
-def _chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:
+def chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:
     """(first index, length) of this rank's chunk of a dim of `size` split over `axes`
     (`Layout.shard_slices`, the one place that computes a rank's offsets)."""
     coord = {axis: mesh.coordinate(axis) for axis in axes}
@@ -290,136 +290,9 @@ def vocab_embedding(
     The result is this rank's share of a sum over `vocab_axes`. Global row
     `padding_idx` (negative: none) gets no gradient: on the rank that holds it, it
     is the local padding row; ids held elsewhere read local row 0, masked to zero."""
-    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
+    start, length = chunk_start(vocab_size, vocab_axes, mesh)
     local = ids - start
     held = (local >= 0) & (local < length)
     local_padding = padding_idx - start if 0 <= padding_idx - start < length else -1
     rows = torch.ops.aten.embedding.default(weight, local * held, local_padding)
     return rows * held.unsqueeze(-1).to(rows.dtype)
-
-
-@comm.on_mesh
-def cross_entropy(
-    logits,
-    target,
-    *args,
-    vocab_size: int,
-    vocab_axes: tuple[str, ...],
-    token_axes: tuple[str, ...],
-    node: str,
-    ignore_index: int = -100,
-    reduction: int = 1,
-    mesh: comm.BoundMesh,
-):
-    """Mean (reduction=1) or sum (2) cross-entropy of [tokens, vocab] logits whose
-    vocabulary is split over `vocab_axes` and tokens over `token_axes`. Backward
-    needs no collective, and keeps only the local softmax (one logits-sized tensor)
-    and a few values per token."""
-    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
-    vocab_groups = tuple([mesh.axes[a] for a in vocab_axes])
-    token_groups = tuple([mesh.axes[a] for a in token_axes])
-    return _VocabParallelCrossEntropy.apply(
-        logits, target, start, length, vocab_groups, token_groups, node, ignore_index, reduction
-    )
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, start, length, vocab_groups, token_groups, node, ignore, red):
-        def total(t, groups):
-            for group in groups:
-                t = comm.collective("all_reduce", t, group, node)
-            return t
-
-        row_max = logits.max(dim=-1).values
-        for group in vocab_groups:
-            row_max = comm.all_reduce_max(row_max, group, node)
-        shifted = logits - row_max.unsqueeze(-1)
-        probs = shifted.exp()
-        local = target - start
-        held = (local >= 0) & (local < length)
-        index = (local * held).unsqueeze(-1)
-        target_logit = shifted.gather(-1, index).squeeze(-1) * held
-        sum_exp, target_logit = total(torch.stack([probs.sum(-1), target_logit]), vocab_groups)
-        valid = target != ignore
-        loss = ((torch.log(sum_exp) - target_logit) * valid).sum()
-        if red == 1:  # reduction "mean": the divisor travels with the sum
-            loss, count = total(torch.stack([loss, valid.sum().to(logits.dtype)]), token_groups)
-        else:
-            loss, count = total(loss, token_groups), None
-        probs /= sum_exp.unsqueeze(-1)  # the softmax of this rank's slice of the vocabulary
-        ctx.save_for_backward(probs, index, held, valid, count)
-        return loss if count is None else loss / count
-
-    @staticmethod
-    def backward(ctx, grad):
-        probs, index, held, valid, count = ctx.saved_tensors
-        scale = grad / count if count is not None else grad
-        out = probs.scatter_add(-1, index, -held.unsqueeze(-1).to(probs.dtype))
-        return out.mul_((valid.to(probs.dtype) * scale).unsqueeze(-1)), *([None] * 8)
-
-
-@comm.on_mesh
-def chunked_cross_entropy(
-    x,
-    weight,
-    target,
-    *,
-    chunks: int,
-    dim: int,
-    steps: tuple,
-    head: str,
-    dtype: torch.dtype,
-    vocab_size: int,
-    vocab_axes: tuple[str, ...],
-    token_axes: tuple[str, ...],
-    node: str,
-    ignore_index: int = -100,
-    reduction: int = 1,
-    mesh: comm.BoundMesh,
-):
-    """`cross_entropy` of the logits ``linear(x, weight)`` after its output collectives
-    `steps` (`comm.run_steps`, for the linear `head`), computed over the tokens in
-    `chunks` pieces one after the other, so that only one piece of the logits-sized
-    buffers lives at a time, in forward and in backward (autograd runs the pieces'
-    backwards one after another, the last first). The pieces cut `x`'s dim `dim`: the
-    same rows of each block its reduce-scatters over that dim scatter, so that the
-    collectives leave each rank, piece by piece, the rows it holds unchunked; the
-    target is cut alike. The sum over tokens is reduced once, over `token_axes`."""
-    start, length = _chunk_start(vocab_size, vocab_axes, mesh)
-    vocab_groups = tuple([mesh.axes[a] for a in vocab_axes])
-    scattered = [kw["axis"] for kind, kw in steps if kind == "reduce_scatter" and kw["dim"] == dim]
-    blocks = math.prod([mesh.axes[axis].size for axis in scattered])
-    shape = x.shape
-    pieces = x.reshape(*shape[:dim], blocks, chunks, -1, *shape[dim + 1 :])
-    targets = None
-    total = None
-    for c in range(chunks):
-        piece = pieces.select(dim + 1, c).reshape(*shape[:dim], -1, *shape[dim + 1 :])
-        logits = comm.run_steps(torch.ops.aten.linear.default(piece, weight), steps, head, mesh)
-        if targets is None:  # the target as the logits' rows, all pieces side by side
-            rows = list(logits.shape[:-1])
-            rows[dim] *= chunks
-            targets = target.reshape(rows).chunk(chunks, dim)
-        loss = _VocabParallelCrossEntropy.apply(
-            logits.reshape(-1, logits.shape[-1]).to(dtype),
-            targets[c].reshape(-1),
-            start,
-            length,
-            vocab_groups,
-            (),
-            node,
-            ignore_index,
-            2,
-        )
-        total = loss if total is None else total + loss
-    if reduction == 2:
-        for axis in token_axes:
-            total = comm.all_reduce(total, axis=axis, backward="identity", node=node, mesh=mesh)
-        return total
-    count = (target != ignore_index).sum().to(total.dtype)
-    pair = torch.stack([total, count])  # the mean's divisor travels with the sum
-    for axis in token_axes:
-        pair = comm.all_reduce(pair, axis=axis, backward="identity", node=node, mesh=mesh)
-    total, count = pair.unbind(0)
-    return total / count.detach()

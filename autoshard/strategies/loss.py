@@ -1,15 +1,19 @@
-"""Cross-entropy over vocabulary-sharded logits, computed vocabulary-parallel.
+"""Cross-entropy and negative log-likelihood over class-split scores, computed
+class-parallel (`autoshard.runtime.losses`).
 
-The logits are never gathered: the row maximum, the sum of exponentials and
-the target's logit are each reduced over the vocabulary axes (a few numbers
-per token), and the mean (or sum) over tokens is reduced over the token axes;
-`ignore_index` targets count for neither. Per-class weights, label smoothing,
-reduction "none", probabilities as targets and logits of other than two dims
-are not claimed: those calls run replicated.
+The scores are never gathered: per row, the maximum, the sum of exponentials and the
+target's score (with its class weight, and the sums label smoothing needs) are each
+reduced over the class axes (a few numbers per row), and a mean or sum over the rows
+is reduced over the axes that split them; `ignore_index` rows count for nothing.
+Every reduction, per-class weights and label smoothing are claimed, for scores
+[rows, classes], [classes] or [N, classes, d1, ...]; probabilities as targets are not
+(those calls run replicated).
 """
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from typing import TYPE_CHECKING
 
 from torch import fx
@@ -17,7 +21,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.runtime import ops
+from autoshard.runtime import losses
 from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.registry import itemsize, normalizing_flops, numel, register
 from autoshard.tracing.trace import argument, tensor_inputs
@@ -26,93 +30,150 @@ if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
 
 
-def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+def _class_dim(node: fx.Node) -> int:
+    return 1 if tensor_inputs(node)[0].meta["val"].dim() > 1 else 0
+
+
+def _weighted(node: fx.Node) -> bool:
+    return argument(node, "weight") is not None
+
+
+def _rows(node: fx.Node, in_shapes) -> int:
+    """Local rows: the elements of the local target."""
+    return numel(in_shapes[1])
+
+
+def _mean_count(node: fx.Node) -> int:
+    """A mean keeps its divisor, a view of the (loss, divisor) pair it is reduced in."""
+    return 2 * itemsize(node) if argument(node, "reduction") == losses.MEAN else 0
+
+
+def _moved(node: fx.Node, in_shapes, out_shape=None) -> int:
+    """The scores made [rows, classes]: a copy where the class dim is not last."""
+    ndim = len(in_shapes[0])
+    return numel(in_shapes[0]) * itemsize(node.args[0]) if _class_dim(node) != ndim - 1 else 0
+
+
+def _native_cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """The log-softmax of the logits and the targets."""
     return Saved((1,), extra_bytes=numel(in_shapes[0]) * itemsize(tensor_inputs(node)[0]))
 
 
-def _vocab_parallel(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
-    logits, target = node.args[:2]
-    reduction, ignore_index = argument(node, "reduction"), argument(node, "ignore_index")
-    tokens, vocab = placed.strategy.inputs[0].dims
-    node.target = ops.cross_entropy
-    node.args = (logits, target)
-    node.kwargs = {
-        "vocab_size": logits.meta["val"].shape[-1],
-        "vocab_axes": vocab,
-        "token_axes": tokens,
+def _cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.losses.cross_entropy` keeps the local softmax; per row the
+    target's index (int64) and two bool masks, with class weights the row's weight
+    and with smoothing too its softmax coefficient; for a mean the divisor."""
+    item = itemsize(node.args[0])
+    per_row = 8 + 2 + item * (_weighted(node) * (1 + bool(argument(node, "label_smoothing"))))
+    softmax = numel(in_shapes[0]) * item
+    return Saved(extra_bytes=softmax + _rows(node, in_shapes) * per_row + _mean_count(node))
+
+
+def _cross_entropy_workspace(node, in_shapes, out_shape) -> int:
+    """The shifted logits, alive with the logits and the softmax it keeps (and the
+    logits moved to [rows, classes] where that is a copy)."""
+    return numel(in_shapes[0]) * itemsize(node.args[0]) + _moved(node, in_shapes)
+
+
+def _nll_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """`autoshard.runtime.losses.nll_loss` keeps per row the target's index (int64),
+    whether this rank holds it and the row's weight; for a mean the divisor."""
+    per_row = 8 + 1 + itemsize(node.args[0])
+    return Saved(extra_bytes=_rows(node, in_shapes) * per_row + _mean_count(node))
+
+
+def _class_parallel(kernel, node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    """Rewrite `node` as a call of `kernel` (`autoshard.runtime.losses`)."""
+    scores, target = node.args[:2]
+    class_dim = _class_dim(node)
+    dims = placed.strategy.inputs[0].dims
+    kwargs = {
+        "classes": scores.meta["val"].shape[class_dim],
+        "class_dim": class_dim,
+        "class_axes": dims[class_dim],
+        "row_axes": tuple(a for d, axes in enumerate(dims) if d != class_dim for a in axes),
         "node": node.name,
-        "ignore_index": ignore_index,
-        "reduction": reduction,
+        "ignore_index": argument(node, "ignore_index"),
+        "reduction": argument(node, "reduction"),
     }
-
-
-def _vocab_parallel_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.ops.cross_entropy` keeps the local softmax, per row the
-    target's index (int64) and two bool masks, and for a mean the token count (a view
-    of the (loss, count) pair it is reduced in: two values)."""
-    logits, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
-    rows = numel(in_shapes[0][:-1])
-    count = 2 * item if argument(node, "reduction") == 1 else 0
-    return Saved(extra_bytes=logits * item + rows * (8 + 2) + count)
-
-
-def _vocab_parallel_workspace(node, in_shapes, out_shape) -> int:
-    """The shifted logits, alive with the logits and the softmax it keeps."""
-    return numel(in_shapes[0]) * itemsize(tensor_inputs(node)[0])
+    if kernel is losses.cross_entropy:
+        kwargs["label_smoothing"] = argument(node, "label_smoothing")
+    weight = argument(node, "weight")
+    node.target = kernel
+    node.args = (scores, target, weight)
+    node.kwargs = kwargs
 
 
 CROSS_ENTROPY = Lowering(
     "cross_entropy",
-    _vocab_parallel,
-    saved=_vocab_parallel_saved,
-    workspace=_vocab_parallel_workspace,
+    partial(_class_parallel, losses.cross_entropy),
+    saved=_cross_entropy_saved,
+    workspace=_cross_entropy_workspace,
+)
+NLL = Lowering(
+    "nll_loss", partial(_class_parallel, losses.nll_loss), saved=_nll_saved, workspace=_moved
 )
 
 
-@register(
-    aten.cross_entropy_loss.default,
-    flops=normalizing_flops,
-    saved=_native_saved,
-    lowerings=(CROSS_ENTROPY,),
-)
-def cross_entropy(ctx: Context) -> list[Strategy]:
+def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strategy]:
+    """Scores as they come; the target split as their rows, any class weight as their
+    classes; `row_sums` numbers per row reduced over the class axes (after the rows'
+    maximum, for the cross-entropy), and the loss over the row axes unless kept per row."""
     node = ctx.node
-    reduction = argument(node, "reduction")
-    if reduction not in (1, 2):
-        raise Unclaimed("reduction='none'")
-    if argument(node, "weight") is not None:
-        raise Unclaimed("per-class weight")
-    if argument(node, "label_smoothing"):
-        raise Unclaimed(f"label_smoothing={argument(node, 'label_smoothing')}")
-    if len(ctx.shape(0)) != 2 or ctx.shape(1) != ctx.shape(0)[:1]:
-        raise Unclaimed(f"logits {list(ctx.shape(0))} with target {list(ctx.shape(1))}")
+    scores = ctx.shape(0)
+    class_dim = _class_dim(node)
+    rows = scores[:class_dim] + scores[class_dim + 1 :]
     if ctx.inputs[1].meta["val"].is_floating_point():
         raise Unclaimed("class probabilities as target")
-    logits = ctx.layout(0)
-    tokens, vocab = logits.dims
-    target = Layout((tokens,))
-    itemsize = ctx.inputs[0].meta["val"].element_size()
-    local_tokens = ctx.shape(0)[0] // ctx.mesh.count(tokens)
+    if ctx.shape(1) != rows:
+        raise Unclaimed(f"scores {list(scores)} with target {list(ctx.shape(1))}")
+    layout = ctx.layout(0)
+    dims = layout.dims
+    classes = dims[class_dim]
+    row_dims = dims[:class_dim] + dims[class_dim + 1 :]
+    target = Layout(row_dims)
+    inputs = [layout, target] + [Layout((classes,))] * _weighted(node)
+    reduction = argument(node, "reduction")
+    item = ctx.inputs[0].meta["val"].element_size()
+    row = math.prod(target.local_shape(rows, ctx.mesh)) * item
 
     def reduce(axes, nbytes):
         return tuple(
             Step("all_reduce", a, None, "identity", nbytes, ctx.mesh.size(a)) for a in axes
         )
 
-    # max (no gradient); the sum of exponentials with the target logit, in one buffer;
-    # then the loss with the token count (a mean's divisor)
-    row = local_tokens * itemsize
-    internal = (
-        reduce(vocab, row) + reduce(vocab, 2 * row) + reduce(tokens, itemsize * (3 - reduction))
-    )
+    internal = reduce(classes, row_sums * row)
+    if lowering is CROSS_ENTROPY:  # the rows' maximum first (no gradient)
+        internal = reduce(classes, row) + internal
+    if reduction in (losses.MEAN, losses.SUM):  # the loss, with a mean's divisor
+        row_axes = tuple(a for axes in row_dims for a in axes)
+        internal += reduce(row_axes, item * (1 + (reduction == losses.MEAN)))
+    output = target if reduction not in (losses.MEAN, losses.SUM) else Layout(())
+    detail = f"classes over {','.join(classes) or '-'}"
     return [
-        make(
-            "vocab-parallel",
-            [logits, target],
-            Layout(()),
-            lowering=CROSS_ENTROPY,
-            internal=internal,
-            detail=f"vocabulary over {','.join(vocab) or '-'}",
-        )
+        make("vocab-parallel", inputs, output, lowering=lowering, internal=internal, detail=detail)
     ]
+
+
+@register(
+    aten.cross_entropy_loss.default,
+    flops=normalizing_flops,
+    saved=_native_cross_entropy_saved,
+    lowerings=(CROSS_ENTROPY,),
+)
+def cross_entropy(ctx: Context) -> list[Strategy]:
+    # per row: the sum of exponentials and the target's logit; its class weight; for
+    # smoothing the sum of (weighted) logits, and with weights the sum of the weights
+    weighted, smoothed = _weighted(ctx.node), bool(argument(ctx.node, "label_smoothing"))
+    return _class_split(ctx, CROSS_ENTROPY, 2 + weighted + smoothed + (weighted and smoothed))
+
+
+def _native_nll_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The scores and the targets (and the total weight, a number)."""
+    return Saved((0, 1), extra_bytes=itemsize(node.args[0]))
+
+
+@register(aten.nll_loss_nd.default, saved=_native_nll_saved, lowerings=(NLL,))
+def nll_loss(ctx: Context) -> list[Strategy]:
+    # per row: the target's score, and its class weight
+    return _class_split(ctx, NLL, 1 + _weighted(ctx.node))
