@@ -198,8 +198,7 @@ class Arguments(nn.Module):
     """Ops called with the arguments their rules must honour or decline: layer norms
     without weight or bias and with their own eps, a sum over `dim=[]` (every dim),
     and cross-entropies with `ignore_index` (hit by the targets), "sum", per-class
-    weights, label smoothing, "none" and probabilities as targets (the last runs
-    replicated)."""
+    weights, label smoothing, "none" and probabilities as targets."""
 
     def __init__(self, hidden=16, classes=8):
         super().__init__()

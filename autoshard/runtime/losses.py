@@ -50,9 +50,11 @@ def _reduced(total, count, reduction: int, groups, node: str):
     return total / count.detach()
 
 
-def _per_row(loss, row_weight, target_shape, reduction: int, groups, node: str):
+def _per_row(loss, row_weight, shape, reduction: int, groups, node: str):
+    """The rows' losses as `shape` (reduction "none"), or their sum or mean: each row
+    weighs `row_weight` in a mean."""
     if reduction not in (MEAN, SUM):
-        return loss.reshape(target_shape)
+        return loss.reshape(shape)
     return _reduced(loss.sum(), row_weight.sum(), reduction, groups, node)
 
 
@@ -125,6 +127,54 @@ class _CrossEntropyRows(torch.autograd.Function):
         return out, *([None] * 9)
 
 
+class _SoftCrossEntropyRows(torch.autograd.Function):
+    """Per row of [rows, classes] logits whose classes are split over `groups`, torch's
+    cross-entropy against class probabilities `target` (split alike), weighted by the
+    class `weight` and smoothed by `smoothing`: ``lse·A - B`` with ``A = Σ w·t`` and
+    ``B = Σ w·t·(logit - max)`` per row, reduced with the sum of exponentials."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, classes, smoothing, groups, node):
+        row_max = logits.max(dim=-1).values
+        for group in groups:
+            row_max = comm.all_reduce_max(row_max, group, node)
+        shifted = logits - row_max.unsqueeze(-1)
+        probs = shifted.exp()
+        weighted = _smoothed_weighted(target, weight, classes, smoothing)
+        sums = torch.stack([probs.sum(-1), weighted.sum(-1), (weighted * shifted).sum(-1)])
+        for group in groups:
+            sums = comm.collective("all_reduce", sums, group, node)
+        sum_exp, target_weight, target_logit = sums.unbind(0)
+        log_sum = sum_exp.log()
+        probs /= sum_exp.unsqueeze(-1)
+        # the target's gradient reads the log-softmax, kept only where it is needed
+        log_probs = shifted - log_sum.unsqueeze(-1) if ctx.needs_input_grad[1] else None
+        # a copy: a view would keep all three sums
+        ctx.save_for_backward(probs, target, weight, target_weight.clone(), log_probs)
+        ctx.smoothing, ctx.classes = smoothing, classes
+        return log_sum * target_weight - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, target, weight, target_weight, log_probs = ctx.saved_tensors
+        weighted = _smoothed_weighted(target, weight, ctx.classes, ctx.smoothing)
+        grad = grad.unsqueeze(-1)
+        grad_logits = grad * (probs * target_weight.unsqueeze(-1) - weighted)
+        grad_target = None
+        if log_probs is not None:
+            grad_target = -(1 - ctx.smoothing) * grad * log_probs
+            if weight is not None:
+                grad_target = grad_target * weight
+        return grad_logits, grad_target, *([None] * 5)
+
+
+def _smoothed_weighted(target, weight, classes: int, smoothing: float):
+    """The probabilities smoothed toward the uniform, times the class weights."""
+    if smoothing:
+        target = target * (1 - smoothing) + smoothing / classes
+    return target if weight is None else target * weight
+
+
 @comm.on_mesh
 def cross_entropy(
     logits,
@@ -142,10 +192,24 @@ def cross_entropy(
     mesh: comm.BoundMesh,
 ):
     """torch's cross-entropy of logits whose class dim `class_dim` is split over
-    `class_axes` and rows over `row_axes`, class indices as targets."""
+    `class_axes` and rows over `row_axes`, against class indices or probabilities (split
+    as the logits)."""
+    rows, row_groups = _rows(logits, class_dim), _groups(row_axes, mesh)
+    if target.is_floating_point():
+        loss = _SoftCrossEntropyRows.apply(
+            rows,
+            _rows(target, class_dim),
+            class_weight,
+            classes,
+            label_smoothing,
+            _groups(class_axes, mesh),
+            node,
+        )
+        shape = target.shape[:class_dim] + target.shape[class_dim + 1 :]
+        return _per_row(loss, torch.ones_like(loss), shape, reduction, row_groups, node)
     start, length = chunk_start(classes, class_axes, mesh)
     loss, row_weight = _CrossEntropyRows.apply(
-        _rows(logits, class_dim),
+        rows,
         target.reshape(-1),
         class_weight,
         start,
@@ -156,7 +220,7 @@ def cross_entropy(
         _groups(class_axes, mesh),
         node,
     )
-    return _per_row(loss, row_weight, target.shape, reduction, _groups(row_axes, mesh), node)
+    return _per_row(loss, row_weight, target.shape, reduction, row_groups, node)
 
 
 @comm.on_mesh

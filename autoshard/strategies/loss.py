@@ -5,9 +5,8 @@ The scores are never gathered: per row, the maximum, the sum of exponentials and
 target's score (with its class weight, and the sums label smoothing needs) are each
 reduced over the class axes (a few numbers per row), and a mean or sum over the rows
 is reduced over the axes that split them; `ignore_index` rows count for nothing.
-Every reduction, per-class weights and label smoothing are claimed, for scores
-[rows, classes], [classes] or [N, classes, d1, ...]; probabilities as targets are not
-(those calls run replicated).
+Every reduction, per-class weights, label smoothing and class probabilities as
+targets are claimed, for scores [rows, classes], [classes] or [N, classes, d1, ...].
 """
 
 from __future__ import annotations
@@ -39,8 +38,13 @@ def _weighted(node: fx.Node) -> bool:
 
 
 def _rows(node: fx.Node, in_shapes) -> int:
-    """Local rows: the elements of the local target."""
-    return numel(in_shapes[1])
+    """Local rows: the local scores' elements over their classes."""
+    return numel(in_shapes[0]) // in_shapes[0][_class_dim(node)]
+
+
+def _soft(node: fx.Node) -> bool:
+    """Whether the targets are class probabilities (not indices)."""
+    return tensor_inputs(node)[1].meta["val"].is_floating_point()
 
 
 def _mean_count(node: fx.Node) -> int:
@@ -62,8 +66,14 @@ def _native_cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_ite
 def _cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """`autoshard.runtime.losses.cross_entropy` keeps the local softmax; per row the
     target's index (int64) and two bool masks, with class weights the row's weight
-    and with smoothing too its softmax coefficient; for a mean the divisor."""
+    and with smoothing too its softmax coefficient; for a mean the divisor. Against
+    probabilities: the softmax, the targets, per row the sum of their weights, and the
+    log-softmax where the targets need a gradient."""
     item = itemsize(node.args[0])
+    if _soft(node):
+        softmax = numel(in_shapes[0]) * item
+        extra = softmax * (1 + needs_grad[1]) + _rows(node, in_shapes) * item
+        return Saved((1,), extra_bytes=extra + _mean_count(node))
     per_row = 8 + 2 + item * (_weighted(node) * (1 + bool(argument(node, "label_smoothing"))))
     softmax = numel(in_shapes[0]) * item
     return Saved(extra_bytes=softmax + _rows(node, in_shapes) * per_row + _mean_count(node))
@@ -116,23 +126,23 @@ NLL = Lowering(
 
 
 def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strategy]:
-    """Scores as they come; the target split as their rows, any class weight as their
-    classes; `row_sums` numbers per row reduced over the class axes (after the rows'
-    maximum, for the cross-entropy), and the loss over the row axes unless kept per row."""
+    """Scores as they come; the target split as their rows (probabilities as the
+    scores), any class weight as their classes; `row_sums` numbers per row reduced
+    over the class axes (after the rows' maximum, for the cross-entropy), and the loss
+    over the row axes unless kept per row."""
     node = ctx.node
     scores = ctx.shape(0)
     class_dim = _class_dim(node)
     rows = scores[:class_dim] + scores[class_dim + 1 :]
-    if ctx.inputs[1].meta["val"].is_floating_point():
-        raise Unclaimed("class probabilities as target")
-    if ctx.shape(1) != rows:
+    soft = _soft(node)
+    if ctx.shape(1) != (scores if soft else rows):
         raise Unclaimed(f"scores {list(scores)} with target {list(ctx.shape(1))}")
     layout = ctx.layout(0)
     dims = layout.dims
     classes = dims[class_dim]
     row_dims = dims[:class_dim] + dims[class_dim + 1 :]
     target = Layout(row_dims)
-    inputs = [layout, target] + [Layout((classes,))] * _weighted(node)
+    inputs = [layout, layout if soft else target] + [Layout((classes,))] * _weighted(node)
     reduction = argument(node, "reduction")
     item = ctx.inputs[0].meta["val"].element_size()
     row = math.prod(target.local_shape(rows, ctx.mesh)) * item
@@ -163,7 +173,11 @@ def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strate
 )
 def cross_entropy(ctx: Context) -> list[Strategy]:
     # per row: the sum of exponentials and the target's logit; its class weight; for
-    # smoothing the sum of (weighted) logits, and with weights the sum of the weights
+    # smoothing the sum of (weighted) logits, and with weights the sum of the weights.
+    # Against probabilities: the sum of exponentials, of (weighted) targets and of
+    # their products with the logits.
+    if _soft(ctx.node):
+        return _class_split(ctx, CROSS_ENTROPY, 3)
     weighted, smoothed = _weighted(ctx.node), bool(argument(ctx.node, "label_smoothing"))
     return _class_split(ctx, CROSS_ENTROPY, 2 + weighted + smoothed + (weighted and smoothed))
 
