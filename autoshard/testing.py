@@ -591,3 +591,89 @@ def measure_memory(
             step()
     saved = sum(n for ptr, n in packed.items() if ptr not in excluded)
     return MemoryMeasurement(saved_bytes=saved, peak_bytes=allocations.peak())
+
+
+@dataclass(frozen=True)
+class NodeSaved:
+    """What one node of a traced graph kept for backward, measured and predicted
+    (`saved_by_node`)."""
+
+    node: str
+    op: str
+    measured: int  # bytes autograd packed while the node ran
+    predicted: int  # bytes of what `autoshard.cost.model.saved` lists, at the serial shapes
+    needs_grad: tuple[bool, ...]  # per tensor input, as it ran
+
+
+def _tensor_key(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, offset, bytes): a tensor and its reshapes or transposes are one."""
+    return _storage(t)[0], t.storage_offset(), t.numel() * t.element_size()
+
+
+def saved_by_node(traced, inputs: tuple) -> list[NodeSaved]:
+    """Run `traced`'s graph serially on `inputs` (an `fx.Interpreter`, node by node)
+    and, for each ``call_function`` node that returns a tensor, compare what autograd
+    packs for backward while it runs with what its op's registry entry says it keeps
+    (`autoshard.cost.model.saved`, at the serial shapes, `needs_grad` as the inputs ran:
+    a factory's result, ``full_like(x)``, needs none whatever x needs).
+
+    Both count each distinct tensor once (`_tensor_key`: ``matmul(x, x.T)`` keeps one
+    tensor) at its own bytes (an input that views a larger storage counts at its own
+    size), as the cost model names a kept input by its storage, and leave out
+    parameters, buffers and their views, which the cost model counts with the
+    parameters (it holds a layer's transposed weight, `saved_bytes`'s `held`).
+    Measured: the tensors a ``saved_tensors_hooks`` pack hook gets while the node runs,
+    its decomposition's (a composite op's) included. Predicted: the kept inputs and
+    output as they ran, and the op's `extra_bytes`."""
+    from autoshard.cost.model import saved
+    from autoshard.tracing.trace import tensor_inputs
+
+    graph_module = traced.graph_module
+    resident = {
+        _storage(t)[0]
+        for t in (*graph_module.parameters(), *graph_module.buffers(), *traced.parameters.values())
+    }
+    packed: dict[str, dict[tuple, int]] = {}
+    values: dict[str, object] = {}
+    running: list[str | None] = [None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if running[0] is not None and torch._C._current_graph_task_id() == -1:
+            if _storage(t)[0] not in resident and not _is_parameter(t):
+                key = _tensor_key(t)
+                packed.setdefault(running[0], {})[key] = key[2]
+        return t
+
+    class _Run(torch.fx.Interpreter):
+        def run_node(self, node):
+            running[0] = node.name if node.op == "call_function" else None
+            try:
+                values[node.name] = result = super().run_node(node)
+            finally:
+                running[0] = None
+            return result
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _Run(graph_module).run(*inputs)
+
+    rows = []
+    for node in graph_module.graph.nodes:
+        result = values.get(node.name)
+        out = result if isinstance(result, torch.Tensor) else next(iter(result or ()), None)
+        if node.op != "call_function" or not isinstance(out, torch.Tensor):
+            continue
+        ran = [values[i.name] for i in tensor_inputs(node)]
+        needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in ran)
+        kept = saved(node, [tuple(t.shape) for t in ran], tuple(out.shape), needs_grad=needs_grad)
+        tensors = [ran[i] for i in kept.inputs] + ([out] if kept.output else [])
+        predicted = {_tensor_key(t) for t in tensors if _storage(t)[0] not in resident}
+        rows.append(
+            NodeSaved(
+                node.name,
+                str(node.target),
+                sum(packed.get(node.name, {}).values()),
+                sum(key[2] for key in predicted) + kept.extra_bytes,
+                needs_grad,
+            )
+        )
+    return rows

@@ -41,9 +41,10 @@ _WITHOUT_BIAS = {
 }
 
 
-def _add_bias(graph: fx.Graph, out: fx.Node, bias: fx.Node, node: fx.Node) -> fx.Node:
-    """`out + bias`, the bias [channels] broadcast over the space dims of a convolution."""
-    if node.target in CONVOLUTIONS:
+def _add_bias(graph: fx.Graph, out: fx.Node, bias: fx.Node, node: fx.Node, op) -> fx.Node:
+    """`out + bias`, the bias [channels] broadcast over the space dims of a convolution
+    (`op`: the node's op as traced, before it was rewritten)."""
+    if op in CONVOLUTIONS:
         spatial = node.meta["val"].dim() - 2
         bias = graph.call_function(aten.view.default, (bias, [-1] + [1] * spatial))
         bias.meta["autoshard_serves"] = node.name
@@ -120,6 +121,7 @@ class InsertCollectives:
                 for i, (v, steps) in enumerate(zip(inputs, placed.input_steps))
             ]
         _replace_tensor_args(node, converted)
+        op = node.target
         epilogue = [converted[i] for i in placed.strategy.epilogue]
         if epilogue:
             node.target, node.args = _WITHOUT_BIAS[node.target](*node.args)
@@ -133,7 +135,7 @@ class InsertCollectives:
         with graph.inserting_before(node.next):
             out = _apply_steps(graph, node, placed.output_steps, node.name)
             for bias in epilogue:
-                out = _add_bias(graph, out, bias, node)
+                out = _add_bias(graph, out, bias, node, op)
         self._replace_uses(node, out)
 
     def _converted(self, graph, name: str, i: int, value, steps, regather: bool) -> fx.Node:

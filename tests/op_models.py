@@ -693,6 +693,34 @@ def batch_norms_eval():
     return model.eval(), inputs
 
 
+class NormThenTokenMean(nn.Module):
+    """Tokens made a map, a convolution and a batch norm over it, and the map made tokens
+    again and averaged (CvT's projections): the norm's gradient arrives with
+    channels-last strides."""
+
+    def __init__(self, channels=32, classes=8):
+        super().__init__()
+        self.up = nn.Linear(channels, channels)
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels)
+        self.out = nn.Linear(channels, classes)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x, labels):
+        h = self.up(x)  # [B, 16 tokens, C]
+        b, t, c = h.shape
+        m = self.norm(self.conv(h.transpose(1, 2).reshape(b, c, 4, 4)))
+        logits = self.out(m.flatten(2).transpose(1, 2).mean(1))
+        return F.cross_entropy(logits, labels)
+
+
+def norm_then_token_mean_eval():
+    """In eval, 4 samples: one per rank where the batch splits over two axes."""
+    return NormThenTokenMean().eval(), (torch.randn(4, 16, 32), torch.arange(4))
+
+
 class AttentionOfAnyRank(nn.Module):
     """Attention over [B, S, E] (no heads dim), with a boolean mask, and over
     [B, G, H, S, D] (two leading dims besides the batch), causal."""
@@ -833,6 +861,52 @@ def class_losses():
     target[:, ::3] = 3  # ignored where the loss says so
     probs = torch.randn(4, 8, 8, generator=generator).softmax(-1)
     return ClassLosses(), (torch.randn(4, 8, 16, generator=generator), target, probs)
+
+
+class UpAndDown(nn.Module):
+    """Down by strided convolutions, up by transposed ones (as a U-Net's decoder): with a
+    stride and an output_padding, in groups without a bias, with a dilation, and 1-D."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.down1 = nn.Conv2d(3, c, 3, stride=2, padding=1)
+        self.down2 = nn.Conv2d(c, 2 * c, 3, stride=2, padding=1)
+        self.up2 = nn.ConvTranspose2d(2 * c, c, 3, stride=2, padding=1, output_padding=1)
+        self.up1 = nn.ConvTranspose2d(2 * c, c, 4, stride=2, padding=1, groups=2, bias=False)
+        self.head = nn.ConvTranspose2d(c, 4, 3, padding=2, dilation=2)
+        self.line = nn.ConvTranspose1d(4, 4, 2, stride=2)
+
+    def forward(self, x):
+        d1 = F.gelu(self.down1(x))
+        u2 = F.gelu(self.up2(F.gelu(self.down2(d1))))
+        y = self.head(F.gelu(self.up1(torch.cat([u2, d1], 1))))
+        z = self.line(y.flatten(2)[..., :8])
+        return y.square().mean() + z.square().mean()
+
+
+def up_and_down():
+    return UpAndDown(), (torch.randn(8, 3, 16, 16),)
+
+
+class FourierMixing(nn.Module):
+    """Layers whose gradient flows back through complex values: FNet's mixing (the real
+    part of a 2-D FFT over tokens and features), an rfft and its inverse over tokens,
+    and the magnitude of an FFT over features (the FFTs themselves run replicated)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        mixed = torch.fft.fftn(h, dim=(1, 2)).real
+        smooth = torch.fft.irfft(torch.fft.rfft(h, dim=1), n=h.shape[1], dim=1)
+        magnitude = torch.fft.fft(h, dim=-1).abs()
+        return self.b(mixed + smooth + magnitude).square().mean()
+
+
+def fourier_mixing():
+    return FourierMixing(), (torch.randn(8, 8, 32),)
 
 
 class TensorSplits(nn.Module):

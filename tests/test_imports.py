@@ -19,7 +19,7 @@ STAGES = [
         "autoshard.layout",
         "autoshard.formula",
     ],
-    ["autoshard.runtime.comm", "autoshard.runtime.ops"],
+    ["autoshard.runtime.comm", "autoshard.runtime.ops", "autoshard.runtime.losses"],
     ["autoshard.tracing"],
     ["autoshard.strategies"],
     ["autoshard.cost"],

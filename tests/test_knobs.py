@@ -24,13 +24,14 @@ from autoshard.tracing.trace import trace
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
 LOOKUP = f"{Path(__file__).parent}/op_models.py:lookup_then_layer"
+UP_AND_DOWN = f"{Path(__file__).parent}/op_models.py:up_and_down"
 CHUNK = f"{Path(__file__).parent}/op_models.py:layer_on_a_chunk"
 MESH = (2, 2, 2)
 
 
-def _turned(family: str, regather: bool = True):
+def _turned(family: str, regather: bool = True, spec: str = GPT):
     """The model planned in `family` with every layer's knobs turned."""
-    model, inputs = load_factory(GPT)()
+    model, inputs = load_factory(spec)()
     traced = trace(model, inputs)
     mesh = Mesh.from_shape(MESH)
     base = plan_graph(traced, mesh, family)
@@ -39,8 +40,8 @@ def _turned(family: str, regather: bool = True):
     return traced, base, plan_graph(traced, mesh, family, knobs=dict.fromkeys(layers, knobs))
 
 
-def _logged(mesh, plan):
-    model, inputs = load_factory(GPT)()
+def _logged(mesh, plan, spec=GPT):
+    model, inputs = load_factory(spec)()
     parallel = autoshard.parallelize(model, mesh, inputs, plan=plan)
     with autoshard.comm_log() as log:
         parallel(*inputs).backward()
@@ -58,6 +59,15 @@ def test_turned_knobs_match_serial_and_log_what_is_predicted(family):
         assert logged == predicted
         assert any(k[1] == "all_gather" and k[3] == "backward" for k in predicted)
     assert_equivalent(GPT, MESH, plan=plan)
+
+
+def test_turned_knobs_of_convolutions_plain_and_transposed_match_serial():
+    traced, base, plan = _turned("3d", spec=UP_AND_DOWN)
+    kept = {p.op for p in plan.nodes.values() if p.strategy.regather}
+    assert {"aten.conv2d.default", "aten.conv_transpose2d.input"} <= kept
+    for logged, predicted in shared_pool(8).run(_logged, MESH, plan, UP_AND_DOWN):
+        assert logged == predicted
+    assert_equivalent(UP_AND_DOWN, MESH, plan=plan)
 
 
 def test_a_layer_keeps_one_piece_of_a_chunk_as_its_shard():
@@ -106,6 +116,13 @@ PRODUCTS = [  # (op, its arguments, the input kept as a shard)
     ("aten.conv1d.default", [(2, 2, 8), (4, 2, 3)], 0),
     ("aten.conv2d.default", [(2, 3, 8, 8), (4, 3, 3, 3), (4,), [2, 1], [1], [1, 1], 1], 0),
     ("aten.conv2d.default", [(2, 4, 8, 8), (6, 2, 3, 3), None, [1], [0], [1], 2], 0),
+    ("aten.conv_transpose1d.default", [(2, 4, 8), (4, 3, 2), (3,), [2]], 0),
+    (  # stride, padding, output_padding, groups, dilation
+        "aten.conv_transpose2d.input",
+        [(2, 4, 5, 5), (4, 3, 3, 3), (6,), [2, 1], [1], [1, 0], 2, [1, 2]],
+        0,
+    ),
+    ("aten.conv_transpose3d.input", [(2, 2, 3, 3, 3), (2, 2, 2, 2, 2)], 0),
 ]
 
 

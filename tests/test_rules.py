@@ -20,6 +20,12 @@ OPS = Path(__file__).with_name("op_models.py")
 SHARDED = {
     "conv2d": {"conv2d": "aten.conv2d.default", "conv2d_1": "aten.conv2d.default"},
     "conv1d": {"conv1d": "aten.conv1d.default", "conv1d_1": "aten.conv1d.default"},
+    "up_and_down": {
+        "conv_transpose2d": "aten.conv_transpose2d.input",
+        "conv_transpose2d_1": "aten.conv_transpose2d.input",
+        "conv_transpose2d_2": "aten.conv_transpose2d.input",
+        "conv_transpose1d": "aten.conv_transpose1d.default",
+    },
     "named_padding": {
         "conv2d": "aten.conv2d.default",
         "conv2d_1": "aten.conv2d.default",
@@ -473,6 +479,24 @@ def test_losses_over_classes_keep_their_classes_split():
 @pytest.mark.parametrize("strategy", ["3d", "megatron", "3d-allreduce", None])
 def test_losses_over_classes_match_serial(strategy, mesh):
     assert_equivalent(f"{OPS}:class_losses", mesh, strategy=strategy, steps=2)
+
+
+@pytest.mark.parametrize(
+    "mesh, strategy", [((1, 1, 2), "3d"), ((2, 2, 2), "3d"), ((2, 2, 2), None)]
+)
+def test_a_gradient_through_complex_values_is_reduced_like_any_other(mesh, strategy):
+    # complex values were taken for values no gradient flows through: the layer after
+    # the FFTs sent back its input's gradient unreduced (wrong gradients upstream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the FFTs run replicated, with a warning
+        assert_equivalent(f"{OPS}:fourier_mixing", mesh, strategy=strategy, steps=2)
+
+
+@pytest.mark.parametrize("strategy", ["3d", "megatron"])
+def test_an_eval_batch_norm_of_one_sample_per_rank_matches_serial(strategy):
+    # torch's CPU kernel gets a single sample's gradients wrong when they arrive with
+    # channels-last strides; the serial batch of 4 never meets it, a rank's 1 did
+    assert_equivalent(f"{OPS}:norm_then_token_mean_eval", (2, 2, 2), strategy=strategy)
 
 
 @pytest.mark.parametrize("mesh, strategy", [((2, 2, 2), "3d"), ((8,), "megatron")])

@@ -65,7 +65,8 @@ from autoshard.strategies.pointwise import dropout_returns_input
 from autoshard.strategies.registry import itemsize as _itemsize
 from autoshard.strategies.registry import largest_operand
 from autoshard.strategies.registry import numel as _numel
-from autoshard.tracing.trace import argument, structure, tensor_inputs
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import differentiable, structure, tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import Bucket, NodePlan, Plan
@@ -130,7 +131,7 @@ def _free(node: fx.Node) -> bool:
 def _needs_grad(inputs: Sequence[fx.Node], needs_grad: Sequence[bool] | None) -> tuple[bool, ...]:
     if needs_grad is not None:
         return tuple(needs_grad)
-    return tuple(inp.meta["val"].is_floating_point() for inp in inputs)
+    return tuple(differentiable(inp.meta["val"]) for inp in inputs)
 
 
 def node_flops(node: fx.Node, local_in_shapes, local_out_shape) -> float:

@@ -29,7 +29,8 @@ from torch.ops import aten
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan
 from autoshard.runtime import losses
 from autoshard.strategies.loss import CROSS_ENTROPY
-from autoshard.tracing.trace import Traced, argument, tensor_inputs
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import Traced, tensor_inputs
 
 # The piece counts the solver chooses from: a ladder, since each count is an option of
 # the unit after the blocks in every variant, and more options make the integer program

@@ -53,7 +53,13 @@ from autoshard.strategies import (
     rule_for,
 )
 from autoshard.strategies.inplace import leaves_read, storage_written_by
-from autoshard.tracing.trace import Traced, module_path, structure, tensor_inputs
+from autoshard.tracing.trace import (
+    Traced,
+    differentiable,
+    module_path,
+    structure,
+    tensor_inputs,
+)
 
 
 def check_strategy(strategy) -> None:
@@ -279,10 +285,10 @@ def _planned(traced, mesh, strategy, order, knobs, fixed, inputs, fallback, *, s
             # An input that requires grad gets the serial gradient: every consumer reduces
             # the gradient it sends back (its input steps), and the entry split's
             # backward gathers the full gradient on every rank.
-            needs_grad[node] = bool(val.requires_grad and val.is_floating_point())
+            needs_grad[node] = bool(val.requires_grad and differentiable(val))
         elif node.op == "get_attr":
             tensor = traced.parameters[node.target]
-            needs_grad[node] = bool(tensor.requires_grad and tensor.is_floating_point())
+            needs_grad[node] = bool(tensor.requires_grad and differentiable(tensor))
             if node.target in stored_as:
                 stored[node] = storage[node.target] = stored_as[node.target]
         elif node.op == "call_function" and node.target is operator.getitem:
@@ -699,7 +705,7 @@ def _place(
             stored[inp] = strategy.storage_for(i)
             storage[inp.target] = stored[inp]
     first = node.meta["val"][0] if multi else node.meta["val"]
-    needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and first.is_floating_point()
+    needs_grad[node] = any(needs_grad[n] for n in ctx.inputs) and differentiable(first)
     written = storage_written_by(node)
     if written and _writes_a_gradient(node, needs_grad):
         # the storage it updates needs grad from now on, as in autograd

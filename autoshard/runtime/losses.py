@@ -58,6 +58,24 @@ def _per_row(loss, row_weight, shape, reduction: int, groups, node: str):
     return _reduced(loss.sum(), row_weight.sum(), reduction, groups, node)
 
 
+def _shifted(logits, groups, node: str):
+    """The logits less each row's maximum over every rank's classes (no gradient: it only
+    keeps the exponentials finite), and their exponentials."""
+    row_max = logits.max(dim=-1).values
+    for group in groups:
+        row_max = comm.all_reduce_max(row_max, group, node)
+    shifted = logits - row_max.unsqueeze(-1)
+    return shifted, shifted.exp()
+
+
+def _total(sums, groups, node: str):
+    """The sum of every rank's `sums` over `groups`, outside autograd (a Function's own
+    backward needs no collective)."""
+    for group in groups:
+        sums = comm.collective("all_reduce", sums, group, node)
+    return sums
+
+
 class _CrossEntropyRows(torch.autograd.Function):
     """Per row of [rows, classes] logits whose classes are split over `groups` (this
     rank's `length` classes start at `start`, of `classes`), torch's cross-entropy of
@@ -69,11 +87,7 @@ class _CrossEntropyRows(torch.autograd.Function):
     def forward(
         ctx, logits, target, weight, start, length, classes, smoothing, ignore, groups, node
     ):
-        row_max = logits.max(dim=-1).values
-        for group in groups:
-            row_max = comm.all_reduce_max(row_max, group, node)
-        shifted = logits - row_max.unsqueeze(-1)
-        probs = shifted.exp()
+        shifted, probs = _shifted(logits, groups, node)
         index, held = _held(target, start, length)
         parts = {"exp": probs.sum(-1), "target": shifted.gather(-1, index).squeeze(-1) * held}
         if weight is not None:
@@ -83,8 +97,7 @@ class _CrossEntropyRows(torch.autograd.Function):
             if weight is not None:
                 parts["weights"] = weight.sum().expand(len(target))
         sums = torch.stack(list(parts.values()))
-        for group in groups:
-            sums = comm.collective("all_reduce", sums, group, node)
+        sums = _total(sums, groups, node)
         sums = dict(zip(parts, sums.unbind(0)))
         valid = target != ignore
         row_weight = sums["weight"] * valid if weight is not None else valid.to(logits.dtype)
@@ -135,15 +148,10 @@ class _SoftCrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, classes, smoothing, groups, node):
-        row_max = logits.max(dim=-1).values
-        for group in groups:
-            row_max = comm.all_reduce_max(row_max, group, node)
-        shifted = logits - row_max.unsqueeze(-1)
-        probs = shifted.exp()
+        shifted, probs = _shifted(logits, groups, node)
         weighted = _smoothed_weighted(target, weight, classes, smoothing)
         sums = torch.stack([probs.sum(-1), weighted.sum(-1), (weighted * shifted).sum(-1)])
-        for group in groups:
-            sums = comm.collective("all_reduce", sums, group, node)
+        sums = _total(sums, groups, node)
         sum_exp, target_weight, target_logit = sums.unbind(0)
         log_sum = sum_exp.log()
         probs /= sum_exp.unsqueeze(-1)

@@ -8,6 +8,7 @@ differentiable like any other.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -32,6 +33,25 @@ def layer_norm(
     groups = tuple([mesh.axes[a] for a in axes])  # a list first: dynamo traces no generator
     dims = tuple(range(-normalized_ndim, 0))
     return _ShardedNorm.apply(x, weight, bias, eps, dims, groups, node)[0]
+
+
+def batch_norm_from_running(*args):
+    """Batch norm from running statistics (eval) on this rank's samples: the ATen op, its
+    backward given a contiguous gradient. torch 2.13's CPU kernel computes wrong
+    gradients for a batch of one sample whose gradient has channels-last strides (a
+    token mean after it: ``y.flatten(2).transpose(1, 2).mean(1)``), which a batch split
+    down to one sample per rank meets where the serial batch does not."""
+    return _ContiguousGradient.apply(torch.ops.aten.batch_norm.default(*args))
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 @comm.on_mesh
@@ -232,9 +252,21 @@ def _addmm_grads(g, args, needs):
     return grad_bias, *_matmul_grads(g, [x, w], needs[1:])
 
 
-def _conv_grads(g, args, needs):
-    defaults = [None, 1, 0, 1, 1]  # conv{1,2,3}d's bias, stride, padding, dilation, groups
-    x, w, bias, stride, padding, dilation, groups = [*args, *defaults[len(args) - 2 :]]
+_CONV_ARGS = ("x", "w", "bias", "stride", "padding", "dilation", "groups")
+_TRANSPOSED_ARGS = ("x", "w", "bias", "stride", "padding", "output_padding", "groups", "dilation")
+
+
+def _conv_grads(transposed: bool, g, args, needs):
+    # conv{1,2,3}d(x, w, bias, stride, padding, dilation, groups), w [out, in / groups, …];
+    # conv_transpose{1,2,3}d(x, w, bias, stride, padding, output_padding, groups,
+    # dilation), w [in, out / groups, …]
+    names = _TRANSPOSED_ARGS if transposed else _CONV_ARGS
+    given = dict(zip(names, args))
+    x, w, bias = given["x"], given["w"], given.get("bias")
+    stride, padding = given.get("stride", 1), given.get("padding", 0)
+    dilation, groups = given.get("dilation", 1), given.get("groups", 1)
+    output_padding = given.get("output_padding", 0)
+    channels = w.shape[1] * groups if transposed else w.shape[0]
     spatial = x.dim() - 2
 
     def expanded(v) -> list[int]:  # an int, or a list of one, is every spatial dim's
@@ -245,12 +277,12 @@ def _conv_grads(g, args, needs):
         g,
         x,
         w,
-        [w.shape[0]] if bias is not None else None,
+        [channels] if bias is not None else None,
         expanded(stride),
         expanded(padding),
         expanded(dilation),
-        False,
-        [0] * spatial,
+        transposed,
+        expanded(output_padding),
         groups,
         [needs[0], needs[1], bias is not None and needs[2]],
     )
@@ -264,7 +296,9 @@ _PRODUCT_GRADS = {
     "aten.matmul.default": _matmul_grads,
     "aten.mm.default": _matmul_grads,
     "aten.addmm.default": _addmm_grads,
-    **{f"aten.conv{d}d.default": _conv_grads for d in (1, 2, 3)},
+    **{f"aten.conv{d}d.default": partial(_conv_grads, False) for d in (1, 2, 3)},
+    "aten.conv_transpose1d.default": partial(_conv_grads, True),
+    **{f"aten.conv_transpose{d}d.input": partial(_conv_grads, True) for d in (2, 3)},
 }
 
 

@@ -19,8 +19,8 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make, whole_operands
-from autoshard.strategies.registry import keeps_input, keeps_output, register
-from autoshard.tracing.trace import argument
+from autoshard.strategies.registry import INDEX_BYTES, keeps_input, keeps_output, numel, register
+from autoshard.tracing.schema import argument
 
 
 def _keeps_input_and_output(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
@@ -37,6 +37,8 @@ _KEEP_INPUT = {
     aten.var.dim: "dim",
     aten.glu.default: "dim",
     aten.nansum.default: "dim",
+    aten.var_mean.dim: "dim",  # the mean's gradient needs nothing, the variance's x
+    aten.var_mean.correction: "dim",
 }
 _KEEP_BOTH = {
     aten.std.correction: "dim",
@@ -47,23 +49,20 @@ _KEEP_BOTH = {
     aten.prod.dim_int: "dim",
     aten.cumprod.default: "dim",
     aten.logcumsumexp.default: "dim",
-    aten.var_mean.dim: "dim",
-    aten.var_mean.correction: "dim",
     aten.std_mean.dim: "dim",
     aten.std_mean.correction: "dim",
 }
-_RANKS = {  # values with their indices (argsort: the indices alone); backward scatters
-    aten.max.dim: "dim",  # the gradient to the indices
+_RANKS = {  # values with their indices; backward scatters the gradient to the indices
+    aten.max.dim: "dim",
     aten.min.dim: "dim",
     aten.topk.default: "dim",
     aten.sort.default: "dim",
     aten.sort.stable: "dim",
-    aten.argsort.default: "dim",
-    aten.argsort.stable: "dim",
     aten.median.dim: "dim",
     aten.kthvalue.default: "dim",
     aten.mode.default: "dim",
 }
+_ARGSORTS = {aten.argsort.default: "dim", aten.argsort.stable: "dim"}  # the indices alone
 _NORMS = {aten.linalg_vector_norm.default: "dim", aten.norm.ScalarOpt_dim: "dim"}
 _TESTS = {
     aten.any.dim: "dim",
@@ -82,6 +81,7 @@ _DIMS = {
     **_TESTS,
     **_SELECTIONS,
     **_RANKS,
+    **_ARGSORTS,
     **_NORMS,
 }
 
@@ -115,8 +115,14 @@ def _keeps_index(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved
     return Saved((1,))
 
 
+def _keeps_indices(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The int64 indices it returns beside the values (as many)."""
+    return Saved(extra_bytes=numel(out_shape) * INDEX_BYTES)
+
+
 register(*_INDICES, *_MOVES, *_TESTS)(along)
 register(*_SELECTIONS, saved=_keeps_index)(along)
 register(*_KEEP_INPUT, saved=keeps_input)(along)
 register(*_KEEP_BOTH, *_NORMS, saved=_keeps_input_and_output)(along)
-register(*_RANKS, saved=keeps_output)(along)  # the indices
+register(*_RANKS, saved=_keeps_indices)(along)
+register(*_ARGSORTS, saved=keeps_output)(along)  # sort's indices, which it returns

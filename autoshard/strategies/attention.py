@@ -24,10 +24,12 @@ from autoshard.strategies.registry import (
     keeps_output,
     normalizing_flops,
     numel,
+    on_cpu,
     register,
 )
 from autoshard.strategies.views import _dim_arg, _unshard
-from autoshard.tracing.trace import argument, tensor_inputs
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import tensor_inputs
 
 # Attention over batch×heads BH: scores Q·Kᵀ and the weighted sum P·V, each a
 # matmul: 4·b·h·s²·d when q, k, v share the head dim d.
@@ -52,14 +54,21 @@ def _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> S
     q, k, v (and a mask, if given), the output and an fp32 logsumexp per query; a
     boolean mask is kept as the additive mask torch makes of it, a new tensor of the
     query's dtype at the (broadcast) shape the mask is passed. A mask that needs a
-    gradient (a learned position bias) takes the math fallback: it keeps v, q and k
-    scaled (new tensors) and the s² probabilities."""
+    gradient (a learned position bias), or inputs that are not 4-D (every fused kernel
+    takes [B, H, S, D] only), or dropout on the CPU (whose flash kernel has none), take
+    the math fallback: it keeps v, q and k scaled (new tensors) and the s²
+    probabilities; with dropout also the probabilities dropped and dropout's mask (as
+    `_dropout_mask`: a noise tensor of their dtype on the CPU, bool on CUDA)."""
     inputs = tensor_inputs(node)
     itemsize = inputs[0].meta["val"].element_size()
     q, key = in_shapes[0], in_shapes[1]
-    if len(inputs) > 3 and needs_grad[3]:
-        probabilities = numel(q[:-1]) * key[-2] * itemsize
-        return Saved((2,), extra_bytes=(numel(q) + numel(key)) * itemsize + probabilities)
+    dropout = bool(argument(node, "dropout_p"))
+    if len(q) != 4 or (len(inputs) > 3 and needs_grad[3]) or (dropout and on_cpu(node)):
+        scores = numel(q[:-1]) * key[-2]
+        kept = scores * itemsize
+        if dropout:
+            kept += scores * (itemsize + (itemsize if on_cpu(node) else 1))
+        return Saved((2,), extra_bytes=(numel(q) + numel(key)) * itemsize + kept)
     extra = numel(q[:-1]) * STATISTIC_BYTES
     kept = tuple(range(len(inputs)))
     if len(inputs) > 3 and inputs[3].meta["val"].dtype == torch.bool:

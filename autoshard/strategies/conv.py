@@ -1,7 +1,9 @@
-"""Convolutions with a weight: a linear over channels, batch as the token dim.
+"""Convolutions with a weight, plain and transposed: a linear over channels, batch as
+the token dim.
 
 For ``conv(x, w, b, stride, padding, dilation, groups)`` with x [B, C, *space],
-w [O, C/groups, *kernel] and out [B, O, *space']:
+w [O, C/groups, *kernel] and out [B, O, *space'] (a transposed convolution's w is
+[C, O/groups, *kernel], and it takes an output_padding, of space too):
 
 - ``groups == 1``: the linear's 3D roles (`strategies/linear.py`): M splits
   the batch, K the input channels C (of x and w, a pending sum), N the
@@ -31,6 +33,7 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import (
     Context,
     Lowering,
+    Saved,
     Strategy,
     Unclaimed,
     all_reduces,
@@ -38,28 +41,61 @@ from autoshard.strategies.base import (
     replicated_fallback,
 )
 from autoshard.strategies.linear import _layout, _roles, _valid
-from autoshard.strategies.registry import register
-from autoshard.tracing.trace import argument
+from autoshard.strategies.registry import numel, register
+from autoshard.tracing.schema import argument, schema_arguments
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
 
-CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default)
+TRANSPOSED = (
+    aten.conv_transpose1d.default,
+    aten.conv_transpose2d.input,
+    aten.conv_transpose3d.input,
+)
+CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, *TRANSPOSED)
 
 
 def _own_groups(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     """A grouped convolution over split channels convolves only this rank's groups."""
-    x, weight, bias, stride, padding, dilation, groups = (list(node.args) + [None, 1, 0, 1, 1])[:7]
-    groups = node.kwargs.get("groups", groups)
-    local = local_groups(groups, placed.strategy.inputs[0], mesh)
-    node.args = (x, weight, bias, stride, padding, dilation, local)
-    node.kwargs = {}
+    args = schema_arguments(node)
+    args["groups"] = local_groups(args["groups"], placed.strategy.inputs[0], mesh)
+    node.args, node.kwargs = tuple(args.values()), {}
 
 
 CONV_GROUPS = Lowering("conv_groups", _own_groups)
 
 
-@register(*CONVOLUTIONS, lowerings=(CONV_GROUPS,), regathers=True)
+def _weight_out_dim(node: fx.Node) -> int:
+    """The dim of the weight that holds the output channels."""
+    return 1 if node.target in TRANSPOSED else 0
+
+
+def _flops(node: fx.Node, in_shapes, out_shape) -> float:
+    """Two per product of an input element's group of weights: 2·out·(C/groups)·kernel,
+    or for a transposed convolution 2·in·(O/groups)·kernel, on the local shapes."""
+    per = numel(in_shapes[1][1:])
+    return 2.0 * per * (numel(in_shapes[0]) if node.target in TRANSPOSED else numel(out_shape))
+
+
+def _backward(node: fx.Node, needs_grad) -> float:
+    """One convolution per gradient: of the input, of the weight."""
+    return float(sum(needs_grad[:2]))
+
+
+def _saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """The input and the weight, whichever needs a gradient (autograd's convolution
+    keeps both for its one backward)."""
+    return Saved((0, 1))
+
+
+@register(
+    *CONVOLUTIONS,
+    flops=_flops,
+    backward=_backward,
+    saved=_saved,
+    lowerings=(CONV_GROUPS,),
+    regathers=True,
+)
 def convolution(ctx: Context) -> list[Strategy]:
     x_nd, w_nd = len(ctx.shape(0)), len(ctx.shape(1))
     if x_nd != w_nd:
@@ -90,17 +126,18 @@ def _dense(ctx: Context, roles) -> list[Strategy]:
     """The 3D candidates of a linear, with channels at dim 1 and the batch at dim 0, for
     each (M, K, N) assignment of mesh axes in `roles`."""
     nd, mesh = len(ctx.shape(0)), ctx.mesh
+    n_dim = _weight_out_dim(ctx.node)  # the weight's output channels; 1 - n_dim its input's
     bias = 2 if len(ctx.inputs) == 3 else None
     allreduce = all_reduces(ctx.family)
     candidates = []
     for m, k, n in roles:
         x_in = _layout(nd, [(0, m), (1, k)])
-        w_in = _layout(nd, [(0, n), (1, k)])
+        w_in = _layout(nd, [(n_dim, n), (1 - n_dim, k)])
         out = _layout(nd, [(0, m), (1, n)], partial=k)
         stored = _layout(nd, [(0, m), (1, n)] + ([] if allreduce else [(0, k)]))
         # The weight knob, as for a linear: kept whole over M (gradient all-reduced) or
         # split over M too and gathered before use; the family's default first.
-        whole, split = (w_in, False), (_layout(nd, [(0, n + m), (1, k)]), True)
+        whole, split = (w_in, False), (_layout(nd, [(n_dim, n + m), (1 - n_dim, k)]), True)
         storages = [whole, split] if allreduce else [split, whole]
         roles = " ".join(f"{r}={','.join(axes) or '-'}" for r, axes in zip("MKN", (m, k, n)))
         for w_store, split_weight in storages:

@@ -33,7 +33,7 @@ from autoshard.strategies.base import (
     parallel_axes,
 )
 from autoshard.strategies.registry import itemsize, numel, register
-from autoshard.tracing.trace import argument
+from autoshard.tracing.schema import argument
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan

@@ -16,13 +16,19 @@ from __future__ import annotations
 from itertools import permutations
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make, replicated_fallback
+from autoshard.strategies.base import Context, Saved, Strategy, make, replicated_fallback
 from autoshard.strategies.linear import _valid
 from autoshard.strategies.registry import register
 from autoshard.tracing.experts import grouped_mm_nt
 
 
-@register(grouped_mm_nt)
+def _keeps_tokens_and_weight(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """Hugging Face's grouped_mm_fallback saves its input and weight for backward
+    whichever needs the gradient (its setup_context); offs it holds as an attribute."""
+    return Saved((0, 1))
+
+
+@register(grouped_mm_nt, saved=_keeps_tokens_and_weight)
 def grouped_mm(ctx: Context) -> list[Strategy]:
     if ctx.family == "replicated":
         return replicated_fallback(ctx)

@@ -35,11 +35,12 @@ from torch.ops import aten
 
 from autoshard.errors import StrategyError
 from autoshard.mesh import Mesh
-from autoshard.strategies.base import Context, Lowering, Strategy, make
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
 from autoshard.strategies.pointwise import aligned
-from autoshard.strategies.registry import register
+from autoshard.strategies.registry import entry_for, register
 from autoshard.tracing.canonical import operands_written, schema_returns, writes_in_place
-from autoshard.tracing.trace import argument, tensor_inputs
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -255,7 +256,17 @@ def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 OUT_OF_PLACE = Lowering("out_of_place", _functional)
 
 
-@register(*IN_PLACE, lowerings=(OUT_OF_PLACE,))
+def _saved_as_out_of_place(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """What its functional twin keeps: an activation's update runs out of place on the
+    ranks, and in place autograd keeps as much (the result, relu_; or a copy of the
+    operand as it was before the update, clamp_)."""
+    keeps = entry_for(out_of_place(node.target)).saved
+    if keeps is None:
+        return Saved()
+    return keeps(node, in_shapes, out_shape, needs_grad, mask_itemsize)
+
+
+@register(*IN_PLACE, saved=_saved_as_out_of_place, lowerings=(OUT_OF_PLACE,))
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     owner = storage_owner(target)

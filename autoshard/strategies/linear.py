@@ -54,8 +54,8 @@ from autoshard.strategies.base import (
     replicated_fallback,
 )
 from autoshard.strategies.pointwise import aligned
-from autoshard.strategies.registry import numel, register
-from autoshard.tracing.trace import argument
+from autoshard.strategies.registry import keeps_operands, numel, register
+from autoshard.tracing.schema import argument
 
 M, K, N = sympy.symbols("M K N", positive=True, integer=True)
 MATMUL_FLOPS = Formula(2 * M * K * N, M, K, N)
@@ -292,3 +292,8 @@ def activation_product(ctx: Context) -> list[Strategy]:
     a_need = Layout(aligned(Layout(out_batch), a_shape[:-2], batch_shape).dims + (a.dims[-2], ()))
     b_need = Layout(aligned(Layout(out_batch), b_shape[:-2], batch_shape).dims + ((), ()))
     return [make("follow", [a_need, b_need], out)]
+
+
+# Products with no rule (they run replicated, with a warning): each operand is kept
+# for the other's gradient.
+register(aten.mv.default, aten.vdot.default, aten.dot.default, saved=keeps_operands)()

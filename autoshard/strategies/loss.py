@@ -12,7 +12,6 @@ targets are claimed, for scores [rows, classes], [classes] or [N, classes, d1, .
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import TYPE_CHECKING
 
 from torch import fx
@@ -23,7 +22,8 @@ from autoshard.mesh import Mesh
 from autoshard.runtime import losses
 from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.registry import itemsize, normalizing_flops, numel, register
-from autoshard.tracing.trace import argument, tensor_inputs
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -59,8 +59,19 @@ def _moved(node: fx.Node, in_shapes, out_shape=None) -> int:
 
 
 def _native_cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """The log-softmax of the logits and the targets."""
-    return Saved((1,), extra_bytes=numel(in_shapes[0]) * itemsize(tensor_inputs(node)[0]))
+    """The log-softmax of the logits and the targets; against class indices also
+    nll_loss's total weight (a number), and with label smoothing the mask of ignored
+    rows and, for a mean, its divisor (their count, int64, or their weights' sum)."""
+    item = itemsize(tensor_inputs(node)[0])
+    log_softmax = numel(in_shapes[0]) * item
+    if _soft(node):
+        return Saved((1,), extra_bytes=log_softmax)
+    extra = log_softmax + item
+    if argument(node, "label_smoothing"):
+        extra += _rows(node, in_shapes)
+        if argument(node, "reduction") == losses.MEAN:
+            extra += item if _weighted(node) else 8
+    return Saved((1,), extra_bytes=extra)
 
 
 def _cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
@@ -114,15 +125,22 @@ def _class_parallel(kernel, node: fx.Node, placed: NodePlan, mesh: Mesh) -> None
     node.kwargs = kwargs
 
 
+def _cross_entropy(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    _class_parallel(losses.cross_entropy, node, placed, mesh)
+
+
+def _nll(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    _class_parallel(losses.nll_loss, node, placed, mesh)
+
+
+# (rewrites by name, not partials: a plan's lowerings compare equal after pickling)
 CROSS_ENTROPY = Lowering(
     "cross_entropy",
-    partial(_class_parallel, losses.cross_entropy),
+    _cross_entropy,
     saved=_cross_entropy_saved,
     workspace=_cross_entropy_workspace,
 )
-NLL = Lowering(
-    "nll_loss", partial(_class_parallel, losses.nll_loss), saved=_nll_saved, workspace=_moved
-)
+NLL = Lowering("nll_loss", _nll, saved=_nll_saved, workspace=_moved)
 
 
 def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strategy]:

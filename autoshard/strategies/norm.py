@@ -8,6 +8,7 @@ within each sample, the batch split."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -29,12 +30,13 @@ from autoshard.strategies.base import (
 from autoshard.strategies.registry import (
     STATISTIC_BYTES,
     itemsize,
-    keeps_input,
     normalizing_flops,
     numel,
+    on_cpu,
     register,
 )
-from autoshard.tracing.trace import argument, tensor_inputs
+from autoshard.tracing.schema import argument, schema_arguments
+from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -42,10 +44,52 @@ if TYPE_CHECKING:
 
 def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """The native kernels keep the input and fp32 statistics per row: mean and rstd
-    (layer_norm), rstd (rms_norm)."""
+    (layer_norm), rstd (rms_norm's fused kernel, on CUDA)."""
     rows = numel(in_shapes[0][: -len(node.args[1])])
     statistics = 2 if node.target == aten.layer_norm.default else 1
     return Saved((0,), extra_bytes=rows * statistics * STATISTIC_BYTES)
+
+
+def _rms_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """On CUDA the fused kernel (`_native_saved`). On the CPU rms_norm is composite,
+    x · rsqrt(mean(x²) + eps) · weight computed in fp32 at least: for the input's
+    gradient it keeps x (an fp32 copy of a lower-precision x), rstd per row and the
+    weight; for the weight's, the normalized x (new, fp32 at least)."""
+    if not on_cpu(node):
+        return _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize)
+    x, item = numel(in_shapes[0]), itemsize(tensor_inputs(node)[0])
+    computed = max(item, STATISTIC_BYTES)
+    has_weight = argument(node, "weight") is not None
+    needs_x, needs_weight = needs_grad[0], has_weight and needs_grad[1]
+    rows = numel(in_shapes[0][: -len(node.args[1])])
+    kept = ((0,) if item == computed else ()) + ((1,) if has_weight else ())
+    extra = x * computed * needs_weight
+    if needs_x:
+        extra += rows * computed + (x * computed if item != computed else 0)
+    return Saved(kept if needs_x else (), extra_bytes=extra)
+
+
+def _group_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """native_group_norm keeps the input (made contiguous), the weight, and a mean and
+    an rstd per sample and group, in the input's dtype."""
+    has_weight = argument(node, "weight") is not None
+    statistics = 2 * in_shapes[0][0] * argument(node, "num_groups")
+    item = itemsize(tensor_inputs(node)[0])
+    return Saved((0, 1) if has_weight else (0,), extra_bytes=statistics * item)
+
+
+def _instance_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """instance_norm is composite: a batch norm over the input viewed as one sample of
+    N·C channels. That keeps the input, and per channel of the view: the weight repeated
+    N times, the running statistics repeated (both, where given), and the batch's mean
+    and invstd in fp32 where it normalizes by them (use_input_stats)."""
+    channels = in_shapes[0][0] * in_shapes[0][1]
+    per_channel = STATISTIC_BYTES * 2 * bool(argument(node, "use_input_stats"))
+    for name, count in (("weight", 1), ("running_mean", 2)):
+        given = argument(node, name)
+        if given is not None:
+            per_channel += count * given.meta["val"].element_size()
+    return Saved((0,), extra_bytes=channels * per_channel)
 
 
 def _sharded_features(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
@@ -123,19 +167,32 @@ def _sharded_batch_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) 
 
 
 def _batch_norm_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """The native kernel keeps the input and fp32 statistics per channel."""
-    return Saved((0,), extra_bytes=2 * in_shapes[0][1] * STATISTIC_BYTES)
+    """The native kernel keeps the input, the weight, and from the batch's statistics
+    (training) the fp32 mean and invstd per channel; from the running statistics (eval)
+    those are empty, and the running statistics (buffers) are kept instead."""
+    has_weight = argument(node, "weight") is not None
+    statistics = 2 * in_shapes[0][1] * STATISTIC_BYTES if argument(node, "training") else 0
+    return Saved((0, 1) if has_weight else (0,), extra_bytes=statistics)
 
 
 # from the batch's statistics, the batch or space split across mesh axes
 BATCH_NORM = Lowering("batch_norm", _sharded_batch, saved=_sharded_batch_saved)
 
 
+def _from_running(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    node.args, node.kwargs = tuple(schema_arguments(node).values()), {}
+    node.target = ops.batch_norm_from_running
+
+
+# from the running statistics: the ATen op on the rank's samples (`ops`' note on why)
+FROM_RUNNING = Lowering("batch_norm_from_running", _from_running)
+
+
 @register(
     aten.batch_norm.default,
     flops=normalizing_flops,
     saved=_batch_norm_saved,
-    lowerings=(BATCH_NORM,),
+    lowerings=(BATCH_NORM, FROM_RUNNING),
 )
 def batch_norm(ctx: Context) -> list[Strategy]:
     """Per channel: the weight, bias and running statistics split as the channels are
@@ -145,9 +202,13 @@ def batch_norm(ctx: Context) -> list[Strategy]:
     gathered first."""
     x = ctx.layout(0)
     from_batch = argument(ctx.node, "training")
+    if not from_batch:
+        channels = Layout(x.dims[1:2])
+        pointwise = _normalizing(ctx, x, (), 0, channels, BATCH_NORM)
+        return [dataclasses.replace(pointwise, lowering=FROM_RUNNING)]
     candidates = []
     for dims in (x.dims, ((),) + x.dims[1:2] + ((),) * (len(x.dims) - 2)):
-        stat_axes = tuple(a for axes in dims[:1] + dims[2:] for a in axes) if from_batch else ()
+        stat_axes = tuple(a for axes in dims[:1] + dims[2:] for a in axes)
         lay = Layout(dims)
         channels = lay.local_shape(ctx.shape(0), ctx.mesh)[1]
         candidates.append(
@@ -158,7 +219,7 @@ def batch_norm(ctx: Context) -> list[Strategy]:
     return candidates
 
 
-@register(aten.rms_norm.default, flops=normalizing_flops, saved=_native_saved)
+@register(aten.rms_norm.default, flops=normalizing_flops, saved=_rms_norm_saved)
 def rms_norm(ctx: Context) -> list[Strategy]:
     """Over its normalized (last) dims gathered; the rows keep their shards."""
     x = ctx.layout(0)
@@ -167,8 +228,8 @@ def rms_norm(ctx: Context) -> list[Strategy]:
     return [make("follow", [whole, *whole_operands(ctx, 1)], whole)]
 
 
-@register(aten.group_norm.default, flops=normalizing_flops, saved=keeps_input)
-@register(aten.instance_norm.default, flops=normalizing_flops, saved=keeps_input)
+@register(aten.group_norm.default, flops=normalizing_flops, saved=_group_norm_saved)
+@register(aten.instance_norm.default, flops=normalizing_flops, saved=_instance_norm_saved)
 def per_sample_norm(ctx: Context) -> list[Strategy]:
     """Group and instance norms compute their statistics within each sample: the batch
     keeps its shards, channels and space are gathered. An instance norm that updates

@@ -16,7 +16,17 @@ from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.runtime import ops
 from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
-from autoshard.strategies.registry import itemsize, keeps_input, keeps_output, numel, register
+from autoshard.strategies.registry import (
+    each_for_the_other,
+    itemsize,
+    keeps_input,
+    keeps_inputs,
+    keeps_operands,
+    keeps_output,
+    numel,
+    on_cpu,
+    register,
+)
 from autoshard.tracing.modes import FOLLOWS_MODE
 from autoshard.tracing.trace import tensor_inputs
 
@@ -37,15 +47,9 @@ OTHERS = (  # counted as keeping nothing (add, sub, neg, casts and copies keep n
     aten.contiguous.default,
     aten.to.dtype,
     aten._to_copy.default,
-    aten.cos.default,
-    aten.sin.default,
     aten.to.dtype_layout,
     aten.to.device,
-    aten.maximum.default,
-    aten.minimum.default,
-    aten.clamp.default,
-    aten.square.default,
-    aten.reciprocal.default,
+    aten.lerp.Scalar,  # each gradient is grad times a number: (1 − weight) and weight
     aten.sign.default,
     aten.sgn.default,
     aten.round.default,
@@ -79,9 +83,14 @@ KEEP_OUTPUT = (
     aten.relu.default,
     aten.tanh.default,
     aten.sigmoid.default,
+    aten.reciprocal.default,  # −grad · result²
 )
 KEEP_INPUT = (
     aten.pow.Tensor_Scalar,
+    aten.square.default,  # pow(x, 2)
+    aten.cos.default,
+    aten.sin.default,
+    aten.clamp.default,
     aten.log.default,
     aten.abs.default,
     aten.gelu.default,
@@ -94,18 +103,14 @@ KEEP_INPUT = (
     aten.hardtanh.default,
     aten.hardswish.default,
     aten.hardsigmoid.default,
-    aten.log_sigmoid.default,
     aten.mish.default,
     aten.softshrink.default,
     aten.hardshrink.default,
     aten.threshold.default,
     aten.clamp_min.default,  # F.normalize's floor under the norm
     aten.clamp_max.default,
-    aten.clamp.Tensor,
-    aten.addcmul.default,
-    aten.lerp.Scalar,
-    aten.lerp.Tensor,
 )
+KEEP_INPUTS = (aten.maximum.default, aten.minimum.default, aten.clamp.Tensor)
 
 
 def aligned(out: Layout, shape, out_shape) -> Layout:
@@ -129,13 +134,6 @@ def follow(ctx: Context, lowering: Lowering | None = None) -> list[Strategy]:
     return [make("follow", inputs, out, lowering=lowering)]
 
 
-def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """a · b keeps each operand for the other's gradient."""
-    if len(tensor_inputs(node)) != 2:
-        return Saved()
-    return Saved(tuple(i for i, other in ((0, 1), (1, 0)) if needs_grad[other]))
-
-
 def _keeps_divisor(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """a / b keeps b, and a too if b needs a gradient."""
     if len(tensor_inputs(node)) != 2:
@@ -148,19 +146,44 @@ def _keeps_mask(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     return Saved((1,))
 
 
+def _keeps_factors(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """addcmul(x, a, b) = x + value · a · b keeps each factor for the other's gradient."""
+    return each_for_the_other(needs_grad, 1, 2)
+
+
+def _keeps_lerp_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """lerp(start, end, weight) keeps the weight for start's and end's gradients
+    (grad · (1 − weight), grad · weight), start and end for the weight's
+    (grad · (end − start))."""
+    kept = (2,) if needs_grad[0] or needs_grad[1] else ()
+    return Saved(kept + ((0, 1) if needs_grad[2] else ()))
+
+
+def _keeps_input_and_buffer(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """log_sigmoid keeps its input and the buffer log_sigmoid_forward returns: on the
+    CPU a tensor of the input's size (exp(−|x|)), on CUDA an empty one."""
+    buffer = numel(in_shapes[0]) * itemsize(node) if on_cpu(node) else 0
+    return Saved((0,), extra_bytes=buffer)
+
+
 register(*OTHERS)(follow)
 register(*KEEP_OUTPUT, saved=keeps_output)(follow)
 register(*KEEP_INPUT, saved=keeps_input)(follow)
-register(aten.mul.Tensor, saved=_keeps_operands)(follow)
+register(*KEEP_INPUTS, saved=keeps_inputs)(follow)
+register(aten.mul.Tensor, saved=keeps_operands)(follow)
 register(aten.div.Tensor, aten.div.Tensor_mode, saved=_keeps_divisor)(follow)
 register(aten.where.self, saved=keeps_input)(follow)  # the condition
 register(aten.masked_fill.Scalar, aten.masked_fill.Tensor, saved=_keeps_mask)(follow)
+register(aten.addcmul.default, saved=_keeps_factors)(follow)
+register(aten.lerp.Tensor, saved=_keeps_lerp_operands)(follow)
+register(aten.log_sigmoid.default, saved=_keeps_input_and_buffer)(follow)
 register(aten.alias.default, free=True, aliases=True)(follow)
 
 
 def _keeps_input_and_slopes(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """prelu keeps its input (for either gradient) and its slopes (for the input's)."""
-    return Saved((0, 1) if needs_grad[0] else (0,))
+    """prelu keeps its input and its slopes: _prelu_kernel's one backward computes both
+    gradients from both."""
+    return Saved((0, 1))
 
 
 @register(aten.prelu.default, saved=_keeps_input_and_slopes)
@@ -214,6 +237,19 @@ def _dropout_mask(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Save
         return Saved()
     mask = mask_itemsize if mask_itemsize is not None else itemsize(node)
     return Saved(extra_bytes=numel(out_shape) * mask)
+
+
+def _in_place_dropout_noise(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """dropout_ multiplies its input in place by a noise tensor of the input's dtype
+    (on every device: torch's fused kernel is out of place only), nothing when p = 0 or
+    not training. `updates_out_of_place` makes it a dropout where nothing else shares
+    the input's storage; where something does it runs as it is (it has no rule)."""
+    if dropout_returns_input(node):
+        return Saved()
+    return Saved(extra_bytes=numel(out_shape) * itemsize(node))
+
+
+register(aten.dropout_.default, saved=_in_place_dropout_noise)()
 
 
 @register(aten.dropout.default, saved=_dropout_mask, lowerings=(DROPOUT,))

@@ -17,8 +17,9 @@ from autoshard.layout import Layout
 from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.reduction import MEAN
-from autoshard.strategies.registry import register
-from autoshard.tracing.trace import argument, tensor_inputs
+from autoshard.strategies.registry import itemsize, numel, register
+from autoshard.tracing.schema import argument
+from autoshard.tracing.trace import tensor_inputs
 
 NONE, MEAN_REDUCTION = 0, 1  # ATen's reduction codes (2: sum)
 
@@ -28,18 +29,40 @@ def _keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Sa
     return Saved(tuple(range(len(tensor_inputs(node)))))
 
 
+def _broadcast_bytes(node, in_shapes) -> int:
+    """Bytes of a tensor of the operands' broadcast shape, in the input's dtype."""
+    return numel(torch.broadcast_shapes(*in_shapes)) * itemsize(tensor_inputs(node)[0])
+
+
+def _keeps_difference(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """l1_loss is composite, |input − target| reduced: abs keeps the difference (a new
+    tensor of the broadcast shape) for either gradient."""
+    return Saved(extra_bytes=_broadcast_bytes(node, in_shapes))
+
+
+def _kl_div_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """kl_div is composite. xlogy(t, t) − t · input keeps the target t for the input's
+    gradient, and the input and t for t's. With log_target, exp(t) · (t − input) keeps
+    exp(t) (new, t's size) for either gradient and t − input (new, the broadcast
+    shape) for t's."""
+    if argument(node, "log_target"):
+        exp_target = numel(in_shapes[1]) * itemsize(tensor_inputs(node)[1])
+        return Saved(extra_bytes=exp_target + _broadcast_bytes(node, in_shapes) * needs_grad[1])
+    return Saved((0, 1) if needs_grad[1] else (1,))
+
+
 @register(
     aten.mse_loss.default,
-    aten.l1_loss.default,
     aten.smooth_l1_loss.default,
     aten.huber_loss.default,
     aten.binary_cross_entropy.default,
     aten.binary_cross_entropy_with_logits.default,
-    aten.kl_div.default,
     aten.soft_margin_loss.default,
     saved=_keeps_operands,
     lowerings=(MEAN,),
 )
+@register(aten.l1_loss.default, saved=_keeps_difference, lowerings=(MEAN,))
+@register(aten.kl_div.default, saved=_kl_div_saved, lowerings=(MEAN,))
 def pointwise_loss(ctx: Context) -> list[Strategy]:
     """The operands laid out as the one of their broadcast shape (the others as they
     broadcast: kl_div's input may be smaller than its target); the loss per element

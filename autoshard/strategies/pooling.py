@@ -15,26 +15,26 @@ from __future__ import annotations
 from torch.ops import aten
 
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Strategy, make
-from autoshard.strategies.registry import keeps_input, keeps_output, register
+from autoshard.strategies.base import Context, Saved, Strategy, make
+from autoshard.strategies.registry import INDEX_BYTES, keeps_input, numel, register
 
 # How many trailing dims each pool reads together.
-_AVERAGES = {
+_AVERAGES = {  # backward reads the input's sizes through the tensor: it keeps it
     aten.avg_pool1d.default: 1,
     aten.avg_pool2d.default: 2,
     aten.avg_pool3d.default: 3,
+}
+_ADAPTIVE_AVERAGES = {
     aten.adaptive_avg_pool1d.default: 1,
     aten.adaptive_avg_pool2d.default: 2,
     aten.adaptive_avg_pool3d.default: 3,
 }
-_MAXIMA = {  # backward routes the gradient to each window's largest input: it keeps it
+_MAXIMA = {  # run as max_poolNd_with_indices where the input needs a gradient
     aten.max_pool1d.default: 1,
     aten.max_pool2d.default: 2,
     aten.max_pool3d.default: 3,
 }
-
-
-_ADAPTIVE_MAXIMA = {  # and the index of each maximum, a second result laid out alike
+_ADAPTIVE_MAXIMA = {  # the index of each maximum is a second result, laid out alike
     aten.adaptive_max_pool1d.default: 1,
     aten.adaptive_max_pool2d.default: 2,
     aten.adaptive_max_pool3d.default: 3,
@@ -53,7 +53,7 @@ _RESIZES = {  # F.interpolate: backward needs only the sizes
     aten._upsample_bicubic2d_aa.vec: 2,
     aten.upsample_trilinear3d.vec: 3,
 }
-_TRAILING = {**_AVERAGES, **_MAXIMA, **_ADAPTIVE_MAXIMA, **_RESIZES}
+_TRAILING = {**_AVERAGES, **_ADAPTIVE_AVERAGES, **_MAXIMA, **_ADAPTIVE_MAXIMA, **_RESIZES}
 
 
 def trailing_whole(ctx: Context) -> list[Strategy]:
@@ -65,6 +65,21 @@ def trailing_whole(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], x, outputs=(x,) * len(ctx.result_shapes))]
 
 
-register(*_AVERAGES, *_RESIZES)(trailing_whole)
-register(*_MAXIMA, saved=keeps_input)(trailing_whole)
-register(*_ADAPTIVE_MAXIMA, saved=keeps_output)(trailing_whole)
+def _keeps_input_unless_mean(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """An adaptive average pool keeps its input, as the others do, except to one value
+    per row (every output size 1): torch computes that as a mean, which keeps nothing."""
+    if all(size == 1 for size in out_shape[-_TRAILING[node.target] :]):
+        return Saved()
+    return Saved((0,))
+
+
+def _keeps_input_and_indices(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """A max pool keeps its input and the int64 index of each window's maximum, where
+    backward routes the gradient."""
+    return Saved((0,), extra_bytes=numel(out_shape) * INDEX_BYTES)
+
+
+register(*_RESIZES)(trailing_whole)
+register(*_AVERAGES, saved=keeps_input)(trailing_whole)
+register(*_ADAPTIVE_AVERAGES, saved=_keeps_input_unless_mean)(trailing_whole)
+register(*_MAXIMA, *_ADAPTIVE_MAXIMA, saved=_keeps_input_and_indices)(trailing_whole)

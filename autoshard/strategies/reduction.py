@@ -13,7 +13,7 @@ from autoshard.mesh import Mesh
 from autoshard.runtime import ops
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.registry import register
-from autoshard.tracing.trace import argument
+from autoshard.tracing.schema import argument
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan

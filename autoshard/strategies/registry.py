@@ -49,6 +49,7 @@ Backward = Callable[[fx.Node, tuple[bool, ...]], float]
 # division and a scale, about 5 FLOPs per element.
 NORMALIZING_FLOPS_PER_ELEMENT = 5
 STATISTIC_BYTES = 4  # norms and attention keep their per-row statistics in fp32
+INDEX_BYTES = 8  # indices an op keeps for backward (a max pool's, a sort's) are int64
 
 
 @dataclass(frozen=True)
@@ -166,3 +167,29 @@ def keeps_output(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved
 def keeps_input(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """Backward needs the (first) input: gelu, silu, log, abs, pow."""
     return Saved((0,))
+
+
+def keeps_inputs(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """Backward needs every tensor input: maximum, minimum and clamp with tensor bounds
+    compare them for either gradient."""
+    return Saved(tuple(range(len(in_shapes))))
+
+
+def each_for_the_other(needs_grad: Sequence[bool], a: int, b: int) -> Saved:
+    """A product of inputs a and b keeps each for the other's gradient: a when b needs
+    one, b when a does (a · b, a · b + c, a matrix times a vector, a dot product)."""
+    return Saved(tuple(i for i, other in ((a, b), (b, a)) if needs_grad[other]))
+
+
+def keeps_operands(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """a · b (mul, mv, vdot) keeps each operand for the other's gradient; a product with
+    a Python number keeps nothing."""
+    if len(in_shapes) != 2:
+        return Saved()
+    return each_for_the_other(needs_grad, 0, 1)
+
+
+def on_cpu(node: fx.Node) -> bool:
+    """Whether the node runs on the CPU, where some kernels keep what CUDA's do not."""
+    val = node.meta["val"]
+    return (val if isinstance(val, torch.Tensor) else val[0]).device.type == "cpu"

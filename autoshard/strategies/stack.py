@@ -8,7 +8,7 @@ from torch.ops import aten
 from autoshard.layout import Layout
 from autoshard.strategies.base import Context, Strategy, make
 from autoshard.strategies.registry import register
-from autoshard.tracing.trace import argument
+from autoshard.tracing.schema import argument
 
 
 @register(aten.stack.default)

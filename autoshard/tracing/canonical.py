@@ -64,6 +64,7 @@ from torch import fx
 from torch.ops import aten
 
 from autoshard.tracing.experts import GROUPED_MM, grouped_mm_nt
+from autoshard.tracing.schema import schema_arguments
 
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _NAMED_PADDING = {
@@ -127,7 +128,7 @@ def pad_convolutions_by_number(graph: fx.Graph) -> None:
         numeric = _NAMED_PADDING.get(node.target) if node.op == "call_function" else None
         if numeric is None:
             continue
-        x, weight, bias, stride, padding, dilation, groups = _schema_arguments(node)
+        x, weight, bias, stride, padding, dilation, groups = schema_arguments(node).values()
         kernel = weight.meta["val"].shape[2:]
         dilation = list(dilation) if isinstance(dilation, (list, tuple)) else [dilation]
         dilation = dilation * len(kernel) if len(dilation) == 1 else dilation
@@ -140,16 +141,6 @@ def pad_convolutions_by_number(graph: fx.Graph) -> None:
             sides = [t // 2 for t in total]
         node.target = numeric
         node.args, node.kwargs = (x, weight, bias, stride, sides, dilation, groups), {}
-
-
-def _schema_arguments(node: fx.Node) -> list:
-    """Every argument of the ATen call `node` in its schema's order, defaults filled in."""
-    return [
-        node.args[i]
-        if i < len(node.args) and not arg.kwarg_only
-        else node.kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None)
-        for i, arg in enumerate(node.target._schema.arguments)
-    ]
 
 
 _OUT_OF_PLACE = {

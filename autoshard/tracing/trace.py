@@ -299,6 +299,12 @@ def _aliases(model: torch.nn.Module, fqns) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def differentiable(tensor: torch.Tensor) -> bool:
+    """Whether a gradient can flow through `tensor`: floating point or complex (a
+    model's FFT mixing carries the gradient through complex values)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
 def tensor_inputs(node: fx.Node) -> tuple[fx.Node, ...]:
     """The tensor-valued fx nodes among a node's arguments, in argument order.
 
@@ -361,21 +367,3 @@ def module_path(node: fx.Node) -> str:
     """The FQN of the innermost module the node was traced in ('' for the root)."""
     stack = node.meta.get("nn_module_stack") or {}
     return next(reversed(stack.values()))[0] if stack else ""
-
-
-def argument(node: fx.Node, name: str):
-    """The value of argument `name` of an ATen call node, given positionally or by
-    keyword, or else its schema default.
-
-    >>> traced = trace(torch.nn.Embedding(8, 4, padding_idx=3), (torch.tensor([1, 3]),))
-    >>> argument(traced.nodes["embedding"], "padding_idx")
-    3
-    """
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            if i < len(node.args) and not arg.kwarg_only:
-                return node.args[i]
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return arg.default_value if arg.has_default_value() else None
-    raise KeyError(f"{node.target} has no argument {name!r}")
