@@ -527,7 +527,7 @@ def entry_cells(entry: OpEntry) -> list[str]:
         flops = _callable_text(entry.flops) if entry.flops else "1 per element"
         backward = _callable_text(entry.backward) if entry.backward else "2× forward"
     saved = _callable_text(entry.saved) if entry.saved else "—"
-    lowerings = ", ".join(lowering.name for lowering in entry.lowerings) or "—"
+    lowerings = "\n".join(lowering.name for lowering in entry.lowerings) or "—"  # one a line
     return [_op_text(entry.op), rule, flops, backward, saved, lowerings]
 
 

@@ -20,6 +20,7 @@ import autoshard
 from autoshard.cost.hardware import Hardware
 from autoshard.mesh import Mesh
 from autoshard.planning import solver
+from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan, bucket_calls
 from autoshard.planning.solver import (
     SPACES,
@@ -36,6 +37,7 @@ from autoshard.planning.solver import (
 )
 from autoshard.runtime.ranks import RankError, shared_pool
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.trace import trace
 
 ROOT = Path(__file__).parents[1]
@@ -115,6 +117,42 @@ def test_an_infeasible_budget_names_the_smallest_that_fits():
         solve(problem, smallest * 0.9)
     assert f"({int(-(-smallest // 1))} bytes)" in str(error.value)
     solve(problem, smallest)
+
+
+def rwkv():
+    """Hugging Face's RWKV, tiny (2 layers, hidden 64, vocabulary 128)."""
+    import transformers as hf
+    from hf_zoo import Run
+
+    config = hf.RwkvConfig(
+        vocab_size=128,
+        context_length=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        use_cache=False,
+        pad_token_id=1,
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(2, 128, (4, 8))
+    model = Run(hf.RwkvForCausalLM(config), ("input_ids", "labels"), ("loss",))
+    return model, (ids, ids.clone())
+
+
+def test_every_budget_above_the_smallest_that_fits_plans():
+    # HiGHS without presolve called this program infeasible at budgets above the
+    # smallest it reported (1.01× to 1.02× of it), refusing plans that fit
+    model, inputs = rwkv()
+    options = PlanOptions.from_user()
+    problem = build_problem(
+        trace_modes(model, inputs), Mesh.from_shape(MESH), options.hardware, SPACES["3d"], 2.0
+    )
+    smallest = smallest_peak(problem)
+    for step in range(21):
+        budget = smallest * (1 + step / 1000)
+        choice = solve(problem, budget)
+        assert problem.evaluate(choice)[1] <= budget
 
 
 def test_shrinking_budget_never_speeds_up_and_always_fits():

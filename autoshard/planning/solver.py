@@ -1018,15 +1018,13 @@ class IntegerProgram:
 
 def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
     program = integer_program(problem, budget, minimize_memory)
-    with warnings.catch_warnings():  # scipy warns that it passes HiGHS's own options on
-        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
-        result = milp(
-            program.objective,
-            constraints=LinearConstraint(program.matrix.tocsr(), program.lower, program.upper),
-            integrality=program.integrality,
-            bounds=program.bounds,
-            options={**_HIGHS_OPTIONS, "mip_rel_gap": GAP, "node_limit": NODE_LIMIT},
-        )
+    options = {**_HIGHS_OPTIONS, "mip_rel_gap": GAP, "node_limit": NODE_LIMIT}
+    result = _highs(program, options)
+    if result.x is None:
+        # Without presolve HiGHS has called a feasible program infeasible (a tiny RWKV
+        # near its smallest budget: feasible at 374000 bytes, "infeasible" at 376000):
+        # no plan is refused before HiGHS with presolve agrees.
+        result = _highs(program, {**options, "presolve": True})
     if result.x is None:
         return None, math.nan
     columns = program.columns
@@ -1036,6 +1034,18 @@ def _milp(problem: Problem, budget: float | None, minimize_memory: bool):
         knobs = [k for k in problem.knobs[u, option] if result.x[columns["z", u, option, k]] > 0.5]
         chosen[u] = dataclasses.replace(option, knobs=frozenset(knobs))
     return chosen, program.priced(result.x)  # seconds, as the program priced them
+
+
+def _highs(program: IntegerProgram, options: dict):
+    with warnings.catch_warnings():  # scipy warns that it passes HiGHS's own options on
+        warnings.filterwarnings("ignore", "Unrecognized options", RuntimeWarning)
+        return milp(
+            program.objective,
+            constraints=LinearConstraint(program.matrix.tocsr(), program.lower, program.upper),
+            integrality=program.integrality,
+            bounds=program.bounds,
+            options=options,
+        )
 
 
 @paused_gc

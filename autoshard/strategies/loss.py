@@ -58,7 +58,7 @@ def _moved(node: fx.Node, in_shapes, out_shape=None) -> int:
     return numel(in_shapes[0]) * itemsize(node.args[0]) if _class_dim(node) != ndim - 1 else 0
 
 
-def _native_cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     """The log-softmax of the logits and the targets; against class indices also
     nll_loss's total weight (a number), and with label smoothing the mask of ignored
     rows and, for a mean, its divisor (their count, int64, or their weights' sum)."""
@@ -186,7 +186,7 @@ def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strate
 @register(
     aten.cross_entropy_loss.default,
     flops=normalizing_flops,
-    saved=_native_cross_entropy_saved,
+    saved=_native_saved,
     lowerings=(CROSS_ENTROPY,),
 )
 def cross_entropy(ctx: Context) -> list[Strategy]:

@@ -185,7 +185,7 @@ def _from_running(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
 
 
 # from the running statistics: the ATen op on the rank's samples (`ops`' note on why)
-FROM_RUNNING = Lowering("batch_norm_from_running", _from_running)
+FROM_RUNNING = Lowering("from_running", _from_running)
 
 
 @register(
