@@ -402,23 +402,26 @@ def test_a_cross_entropy_over_split_classes_keeps_what_its_rule_says(
 
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
-def test_an_nll_loss_over_split_classes_keeps_what_its_rule_says(weighted, reduction):
+@pytest.mark.parametrize("shape", [(6, 8), (2, 8, 3)])  # classes last, and inside
+def test_an_nll_loss_over_split_classes_keeps_what_its_rule_says(weighted, reduction, shape):
     from autoshard.cost.model import saved_bytes
     from autoshard.runtime import losses
     from autoshard.strategies.loss import NLL
 
     module = _ClassLoss(nn.functional.nll_loss, weighted, reduction, ignore_index=3)
-    scores = torch.randn(6, 8, requires_grad=True)
-    target = torch.tensor([0, 3, 7, 3, 5, 1])
+    scores = torch.randn(shape, requires_grad=True) * 1.0  # made by a layer: not a leaf
+    target = torch.tensor([0, 3, 7, 3, 5, 1]).view(shape[:1] + shape[2:])
     graph = trace(module, (scores, target)).graph_module.graph
     [node] = [n for n in graph.nodes if "loss" in n.name]
-    shapes = [(6, 8), (6,)] + [(8,)] * weighted
-    out = (6,) if reduction == "none" else ()
+    shapes = [shape, tuple(target.shape)] + [(8,)] * weighted
+    out = tuple(target.shape) if reduction == "none" else ()
     predicted = saved_bytes(node, shapes, out, lowering=NLL)
     code = ["none", "mean", "sum"].index(reduction)
 
     def step():
-        rows = losses._nll_rows(scores, target, module.weight, 0, 8, 3, (), "loss")
+        rows = losses._nll_rows(
+            losses._rows(scores, 1), target.reshape(-1), module.weight, 0, 8, 3, (), "loss"
+        )
         losses._per_row(*rows, target.shape, code, (), "loss").sum().backward()
 
     resident = [module.weight] if weighted else []  # a buffer, not counted

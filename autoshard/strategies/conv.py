@@ -83,8 +83,8 @@ def _backward(node: fx.Node, needs_grad) -> float:
 
 
 def _saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """The input and the weight, whichever needs a gradient (autograd's convolution
-    keeps both for its one backward)."""
+    """The input and the weight (autograd's convolution keeps both for its one
+    backward, whichever needs a gradient)."""
     return Saved((0, 1))
 
 

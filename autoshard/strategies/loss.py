@@ -52,7 +52,7 @@ def _mean_count(node: fx.Node) -> int:
     return 2 * itemsize(node) if argument(node, "reduction") == losses.MEAN else 0
 
 
-def _moved(node: fx.Node, in_shapes, out_shape=None) -> int:
+def _moved(node: fx.Node, in_shapes) -> int:
     """The scores made [rows, classes]: a copy where the class dim is not last."""
     ndim = len(in_shapes[0])
     return numel(in_shapes[0]) * itemsize(node.args[0]) if _class_dim(node) != ndim - 1 else 0
@@ -81,10 +81,11 @@ def _cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) 
     probabilities: the softmax, the targets, per row the sum of their weights, and the
     log-softmax where the targets need a gradient."""
     item = itemsize(node.args[0])
-    if _soft(node):
+    if _soft(node):  # the targets as [rows, classes]: a copy where the class dim is not last
         softmax = numel(in_shapes[0]) * item
-        extra = softmax * (1 + needs_grad[1]) + _rows(node, in_shapes) * item
-        return Saved((1,), extra_bytes=extra + _mean_count(node))
+        extra = softmax * (1 + needs_grad[1]) + _rows(node, in_shapes) * item + _mean_count(node)
+        moved = _moved(node, in_shapes)
+        return Saved(() if moved else (1,), extra_bytes=extra + moved)
     per_row = 8 + 2 + item * (_weighted(node) * (1 + bool(argument(node, "label_smoothing"))))
     softmax = numel(in_shapes[0]) * item
     return Saved(extra_bytes=softmax + _rows(node, in_shapes) * per_row + _mean_count(node))
@@ -97,10 +98,13 @@ def _cross_entropy_workspace(node, in_shapes, out_shape) -> int:
 
 
 def _nll_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
-    """`autoshard.runtime.losses.nll_loss` keeps per row the target's index (int64),
-    whether this rank holds it and the row's weight; for a mean the divisor."""
+    """`autoshard.runtime.losses.nll_loss` keeps the scores it picks from (for the pick's
+    gradient: the scores themselves, or their copy as [rows, classes] where the class
+    dim is not last), per row the target's index (int64), whether this rank holds it and
+    the row's weight; for a mean the divisor."""
     per_row = 8 + 1 + itemsize(node.args[0])
-    return Saved(extra_bytes=_rows(node, in_shapes) * per_row + _mean_count(node))
+    extra = _rows(node, in_shapes) * per_row + _mean_count(node) + _moved(node, in_shapes)
+    return Saved(() if _moved(node, in_shapes) else (0,), extra_bytes=extra)
 
 
 def _class_parallel(kernel, node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
@@ -140,7 +144,7 @@ CROSS_ENTROPY = Lowering(
     saved=_cross_entropy_saved,
     workspace=_cross_entropy_workspace,
 )
-NLL = Lowering("nll_loss", _nll, saved=_nll_saved, workspace=_moved)
+NLL = Lowering("nll_loss", _nll, saved=_nll_saved)
 
 
 def _class_split(ctx: Context, lowering: Lowering, row_sums: int) -> list[Strategy]:

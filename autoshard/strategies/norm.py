@@ -8,7 +8,6 @@ within each sample, the batch split."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import TYPE_CHECKING
 
@@ -202,10 +201,9 @@ def batch_norm(ctx: Context) -> list[Strategy]:
     gathered first."""
     x = ctx.layout(0)
     from_batch = argument(ctx.node, "training")
-    if not from_batch:
-        channels = Layout(x.dims[1:2])
-        pointwise = _normalizing(ctx, x, (), 0, channels, BATCH_NORM)
-        return [dataclasses.replace(pointwise, lowering=FROM_RUNNING)]
+    if not from_batch:  # pointwise, per channel
+        affine = [Layout(x.dims[1:2])] * (len(ctx.inputs) - 1)
+        return [make("follow", [x, *affine], x, lowering=FROM_RUNNING)]
     candidates = []
     for dims in (x.dims, ((),) + x.dims[1:2] + ((),) * (len(x.dims) - 2)):
         stat_axes = tuple(a for axes in dims[:1] + dims[2:] for a in axes)
