@@ -348,6 +348,22 @@ def starcoder2():
     return causal_lm(hf.Starcoder2ForCausalLM, config)
 
 
+def rwkv():
+    """Not in `ZOO`: in eval it rescales its weights in place, which autoshard refuses by
+    name; trained, it equals serial (the solver's budget tests use it)."""
+    config = hf.RwkvConfig(
+        vocab_size=VOCAB,
+        context_length=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        attention_hidden_size=64,
+        intermediate_size=128,
+        use_cache=False,
+        pad_token_id=PAD,
+    )
+    return causal_lm(hf.RwkvForCausalLM, config)
+
+
 def biogpt():
     config = hf.BioGptConfig(**DECODER, **NO_DROPOUT, layerdrop=0.0)
     return causal_lm(hf.BioGptForCausalLM, config)

@@ -119,31 +119,11 @@ def test_an_infeasible_budget_names_the_smallest_that_fits():
     solve(problem, smallest)
 
 
-def rwkv():
-    """Hugging Face's RWKV, tiny (2 layers, hidden 64, vocabulary 128)."""
-    import transformers as hf
-    from hf_zoo import Run
-
-    config = hf.RwkvConfig(
-        vocab_size=128,
-        context_length=32,
-        hidden_size=64,
-        num_hidden_layers=2,
-        attention_hidden_size=64,
-        intermediate_size=128,
-        use_cache=False,
-        pad_token_id=1,
-    )
-    torch.manual_seed(0)
-    ids = torch.randint(2, 128, (4, 8))
-    model = Run(hf.RwkvForCausalLM(config), ("input_ids", "labels"), ("loss",))
-    return model, (ids, ids.clone())
-
-
 def test_every_budget_above_the_smallest_that_fits_plans():
     # HiGHS without presolve called this program infeasible at budgets above the
     # smallest it reported (1.01× to 1.02× of it), refusing plans that fit
-    model, inputs = rwkv()
+    torch.manual_seed(0)
+    model, inputs = load_factory(f"{ROOT}/tests/hf_zoo.py:rwkv")()
     options = PlanOptions.from_user()
     problem = build_problem(
         trace_modes(model, inputs), Mesh.from_shape(MESH), options.hardware, SPACES["3d"], 2.0

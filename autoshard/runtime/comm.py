@@ -61,6 +61,10 @@ class BoundMesh:
     def coordinate(self, axis: str) -> int:
         return self.axes[axis].coordinate if axis in self.axes else 0
 
+    def groups(self, axes: tuple[str, ...]) -> tuple[AxisGroup, ...]:
+        """The groups of `axes`, in order."""
+        return tuple([self.axes[a] for a in axes])  # a list first: dynamo traces no generator
+
 
 ON_MESH: set[Callable] = set()  # the functions the program calls with `mesh=`
 

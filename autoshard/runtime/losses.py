@@ -22,10 +22,6 @@ from autoshard.runtime.ops import chunk_start
 MEAN, SUM = 1, 2  # ATen's reduction codes (0: none)
 
 
-def _groups(axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[comm.AxisGroup, ...]:
-    return tuple([mesh.axes[a] for a in axes])  # a list first: dynamo traces no generator
-
-
 def _rows(scores: torch.Tensor, class_dim: int) -> torch.Tensor:
     """`scores` as [rows, classes]: the class dim last, the others flattened."""
     if class_dim != scores.dim() - 1:
@@ -202,7 +198,7 @@ def cross_entropy(
     """torch's cross-entropy of logits whose class dim `class_dim` is split over
     `class_axes` and rows over `row_axes`, against class indices or probabilities (split
     as the logits)."""
-    rows, row_groups = _rows(logits, class_dim), _groups(row_axes, mesh)
+    rows, row_groups = _rows(logits, class_dim), mesh.groups(row_axes)
     if target.is_floating_point():
         loss = _SoftCrossEntropyRows.apply(
             rows,
@@ -210,7 +206,7 @@ def cross_entropy(
             class_weight,
             classes,
             label_smoothing,
-            _groups(class_axes, mesh),
+            mesh.groups(class_axes),
             node,
         )
         shape = target.shape[:class_dim] + target.shape[class_dim + 1 :]
@@ -225,7 +221,7 @@ def cross_entropy(
         classes,
         label_smoothing,
         ignore_index,
-        _groups(class_axes, mesh),
+        mesh.groups(class_axes),
         node,
     )
     return _per_row(loss, row_weight, target.shape, reduction, row_groups, node)
@@ -284,12 +280,12 @@ def chunked_cross_entropy(
             classes,
             label_smoothing,
             ignore_index,
-            _groups(class_axes, mesh),
+            mesh.groups(class_axes),
             node,
         )
         total = loss.sum() if total is None else total + loss.sum()
         count = row_weight.sum() if count is None else count + row_weight.sum()
-    return _reduced(total, count, reduction, _groups(row_axes, mesh), node)
+    return _reduced(total, count, reduction, mesh.groups(row_axes), node)
 
 
 def _nll_rows(scores, target, weight, start, length, ignore, groups, node):
@@ -334,7 +330,7 @@ def nll_loss(
         start,
         length,
         ignore_index,
-        _groups(class_axes, mesh),
+        mesh.groups(class_axes),
         node,
     )
-    return _per_row(loss, row_weight, target.shape, reduction, _groups(row_axes, mesh), node)
+    return _per_row(loss, row_weight, target.shape, reduction, mesh.groups(row_axes), node)

@@ -30,7 +30,7 @@ def layer_norm(
 ):
     """Layer norm over features split across `axes`, in one collective per axis each way
     (`_ShardedNorm`)."""
-    groups = tuple([mesh.axes[a] for a in axes])  # a list first: dynamo traces no generator
+    groups = mesh.groups(axes)
     dims = tuple(range(-normalized_ndim, 0))
     return _ShardedNorm.apply(x, weight, bias, eps, dims, groups, node)[0]
 
@@ -72,7 +72,7 @@ def batch_norm(
     per channel, every rank's statistics combined (`_ShardedNorm`), and the running
     statistics, where it has them, updated from the combined ones as the serial op
     does (the variance unbiased over the whole batch)."""
-    groups = tuple([mesh.axes[a] for a in axes])
+    groups = mesh.groups(axes)
     dims = (0, *range(2, x.dim()))
     channels = (1, -1) + (1,) * (x.dim() - 2)
     weight = weight.view(channels) if weight is not None else None

@@ -103,8 +103,9 @@ def _nll_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
     dim is not last), per row the target's index (int64), whether this rank holds it and
     the row's weight; for a mean the divisor."""
     per_row = 8 + 1 + itemsize(node.args[0])
-    extra = _rows(node, in_shapes) * per_row + _mean_count(node) + _moved(node, in_shapes)
-    return Saved(() if _moved(node, in_shapes) else (0,), extra_bytes=extra)
+    moved = _moved(node, in_shapes)
+    extra = _rows(node, in_shapes) * per_row + _mean_count(node) + moved
+    return Saved(() if moved else (0,), extra_bytes=extra)
 
 
 def _class_parallel(kernel, node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
