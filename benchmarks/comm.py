@@ -8,7 +8,8 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 - "autoshard": `autoshard.parallelize(model, mesh, inputs, strategy="3d")` on 2×2×2.
 - "hand-written 3D": that very program with every collective call of the emitted code
   (all-gathers, reduce-scatters, all-reduces, splits, gradient buckets) replaced by a
-  bare autograd pair around the c10d call, its process group resolved once: the
+  bare autograd pair around the c10d call, its process group resolved once (a gather
+  bucket runs autoshard's packing, called straight on its group): the
   collectives a hand-written 3D program makes, without autoshard's wrapper (the
   collectives inside layer norm and the loss stay autoshard's in both).
 - "DTensor TP": `parallelize_module` with the Megatron layout (first linear of each
@@ -25,7 +26,7 @@ The variants run alternating, `--repeats` times, `--steps` steps each; a ratio i
 taken per repeat on rank 0's process CPU time (gloo ranks on shared cores make
 wall time noise), and the table shows the minimum and the median. It also prints
 the collective calls per step, from autoshard's comm log, with and without shared
-conversions and gradient buckets.
+conversions, gradient buckets and gather buckets.
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ def bare_bucket(tensors, wired: int):
     return _BareBucket.apply(_WIRED[wired], *tensors)
 
 
+def bare_gather(tensors, wired: int):
+    return comm._GatherBucket.apply(*_WIRED[wired], *tensors)
+
+
 def hand_written(parallel) -> fx.GraphModule:
     """`parallel`'s program with each emitted collective a bare c10d pair."""
     gm = fx.GraphModule(parallel.program, copy.deepcopy(parallel.program.graph))
@@ -160,6 +165,10 @@ def hand_written(parallel) -> fx.GraphModule:
         elif node.target is comm.grad_bucket:
             _WIRED.append(axes[node.kwargs["axis"]].group)
             node.target, node.args, node.kwargs = bare_bucket, (node.args[0], len(_WIRED) - 1), {}
+        elif node.target is comm.gather_bucket:
+            kwargs = node.kwargs
+            _WIRED.append((axes[kwargs["axis"]], kwargs["node"], kwargs["serves"], kwargs["dims"]))
+            node.target, node.args, node.kwargs = bare_gather, (node.args[0], len(_WIRED) - 1), {}
     gm.recompile()
     return gm
 
@@ -203,7 +212,7 @@ def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
     model, inputs = load_factory(spec)(**sizes)
     parallel = autoshard.parallelize(model, device_mesh, inputs, strategy="3d")
     calls = _calls(parallel, inputs)
-    plain = dataclasses.replace(parallel.plan, shared=(), buckets=())
+    plain = dataclasses.replace(parallel.plan, shared=(), buckets=(), gathers=())
     unshared = autoshard.parallelize(model, device_mesh, inputs, plan=plain)
     calls_unshared = _calls(unshared, inputs)
     bare = hand_written(parallel)
@@ -249,7 +258,7 @@ def main() -> None:
             _bench, (2, 2, 2), spec, sizes, args.repeats, args.steps, args.compile
         )[0]
         print(f"\n{title}: {calls} collective calls per step ({before} without shared")
-        print("conversions and gradient buckets); CPU time per step on rank 0:")
+        print("conversions and buckets); CPU time per step on rank 0:")
         for phase, by_variant in times.items():
             own = statistics.median(by_variant["autoshard"])
             print(f"  {phase:17} autoshard {own * 1e3:8.2f} ms")

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from autoshard.layout import Step
 from autoshard.planning.plan import Plan
 from autoshard.runtime import ops
-from autoshard.runtime.comm import STEP_FUNCTIONS, grad_bucket, grad_wait
+from autoshard.runtime.comm import STEP_FUNCTIONS, gather_bucket, grad_bucket, grad_wait
 from autoshard.strategies.conv import CONVOLUTIONS
 from autoshard.tracing.trace import tensor_inputs
 
@@ -93,6 +93,7 @@ class InsertCollectives:
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         graph = gm.graph
         self._insert_buckets(graph)
+        self._insert_gathers(graph)
         for node in list(graph.nodes):
             if node.op == "placeholder":
                 with graph.inserting_before(node.next):
@@ -180,18 +181,40 @@ class InsertCollectives:
                 current.update(self._passed(graph, grad_bucket, (values,), kwargs, passed))
         self.converted.update(current)
 
+    def _insert_gathers(self, graph: fx.Graph) -> None:
+        """One `gather_bucket` call per gather bucket, before the node the plan places it
+        (in that node's checkpoint region: a replay gathers again); its outputs are
+        what the readers compute on."""
+        nodes = {n.name: n for n in graph.nodes}
+        for bucket in self.plan.gathers:
+            first = bucket.place
+            steps = [self.plan.nodes[name].input_steps[i][0] for name, i in bucket.serves]
+            values = {(name, i): tensor_inputs(nodes[name])[i] for name, i in bucket.serves}
+            kwargs = {
+                "axis": bucket.axis,
+                "dims": tuple(s.dim for s in steps),
+                "node": bucket.name,
+                "serves": tuple(name for name, _ in bucket.serves),
+            }
+            args = (tuple(values.values()),)
+            with graph.inserting_before(nodes[first]):
+                self.converted.update(
+                    self._passed(graph, gather_bucket, args, kwargs, values, serves=first)
+                )
+
     @staticmethod
-    def _passed(graph: fx.Graph, function, args, kwargs, values: dict) -> dict:
+    def _passed(graph: fx.Graph, function, args, kwargs, values: dict, serves=None) -> dict:
         """`values` (key → node) passed through one call of `function`, which returns
-        them in order: key → the call's output for it."""
+        them in order: key → the call's output for it (`serves`: the node the call
+        counts as part of, by default itself)."""
         name = kwargs.get("node", function.__name__)
         call = graph.create_node("call_function", function, args, kwargs, name=name)
-        call.meta["autoshard_serves"] = name
+        call.meta["autoshard_serves"] = serves or name
         out = {}
         for k, (key, value) in enumerate(values.items()):
             out[key] = graph.call_function(operator.getitem, (call, k))
             out[key].meta["val"] = value.meta.get("val")
-            out[key].meta["autoshard_serves"] = name
+            out[key].meta["autoshard_serves"] = serves or name
         return out
 
     @staticmethod

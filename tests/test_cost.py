@@ -2,6 +2,7 @@
 linear's communication volume (from the planner's own steps), and a GPT layer's
 activation memory against Korthikanti et al. 2022 (no processes)."""
 
+import dataclasses
 import json
 import math
 
@@ -169,7 +170,8 @@ def test_node_costs_of_a_3d_plan():
     d = 2
     model, inputs = three_linears()
     traced = trace(model, inputs)
-    plan = autoshard.plan(model, (d, d, d), inputs, strategy="3d")
+    bucketed = autoshard.plan(model, (d, d, d), inputs, strategy="3d")
+    plan = dataclasses.replace(bucketed, gathers=())  # each weight gathered by its own call
     hw = Hardware.load("cpu-gloo")  # the same link on every axis
     costs = node_costs(traced, plan, hw)
     assert set(costs) == set(plan.nodes) | {"output"}
@@ -177,6 +179,19 @@ def test_node_costs_of_a_3d_plan():
     middle = next(n for n in plan.nodes.values() if n.module == "middle")
     c = costs[middle.name]
     link = hw.axes[0]
+    # In one gather bucket, the three weights' gathers are one call each way: the first
+    # layer's cost carries its latency, the others' only their bytes.
+    (bucket,) = bucketed.gathers
+    assert [name for name, _ in bucket.serves] == [
+        n.name for n in plan.nodes.values() if n.op == "aten.linear.default"
+    ]
+    in_bucket = node_costs(traced, bucketed, hw)
+    for phase in ("forward_comm", "backward_comm"):
+        for name, _ in bucket.serves:
+            saved = sum(getattr(costs[name], phase).values())
+            saved -= sum(getattr(in_bucket[name], phase).values())
+            latency = 0.0 if name == bucket.serves[0][0] else (d - 1) * link.alpha
+            assert saved == pytest.approx(latency)
     # Three collectives (input gather over N, weight gather over M, output scatter over K),
     # one α each on a ring of d, and the closed-form volume at β.
     volume = float(linear_3d_volume(T, H, O, d)) * 4

@@ -133,6 +133,14 @@ class _Shapes(fx.Interpreter):
             return shape, _after(layout, kind, node.kwargs["axis"], node.kwargs.get("dim"))
         if node.target in (comm.grad_bucket, comm.grad_wait):  # parameters pass through
             return [self.expected[a.name] for a in node.args[0]]
+        if node.target is comm.gather_bucket:  # each parameter gathered along its dim
+            axis = node.kwargs["axis"]
+            return [
+                (shape, _after(layout, "all_gather", axis, dim))
+                for (shape, layout), dim in zip(
+                    (self.expected[a.name] for a in node.args[0]), node.kwargs["dims"]
+                )
+            ]
         return None
 
 

@@ -1,6 +1,7 @@
 """Collectives run once for several nodes: a conversion read by several nodes, the
-parameter-gradient reductions of an axis packed into a bucket, the vocabulary-parallel
-loss's sums in one buffer. The program still equals serial, and every call and byte
+parameter-gradient reductions of an axis packed into a bucket, a unit's parameter
+gathers packed into one call each way, the vocabulary-parallel loss's sums in one
+buffer. The program still equals serial, and every call and byte
 is as the plan predicts."""
 
 import dataclasses
@@ -10,9 +11,14 @@ from pathlib import Path
 import torch
 
 import autoshard
+from autoshard.mesh import Mesh
 from autoshard.planning import plan as plan_module
+from autoshard.planning.collectives import gathered_step, share_collectives
+from autoshard.planning.planner import plan_graph
+from autoshard.planning.units import in_block, units_of
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.trace import tensor_inputs, trace
 
 GPT = f"{Path(__file__).parents[1]}/examples/gpt.py:gpt"
 BATCH_NORMS = f"{Path(__file__).parent}/op_models.py:batch_norms"
@@ -36,8 +42,54 @@ def test_plan_shares_conversions_and_buckets_parameter_gradients():
         for i, steps in enumerate(placed.input_steps):
             if steps and all(s.kind == "grad_all_reduce" for s in steps):
                 assert (name, i) in served or not placed.input_needs_grad[i]
-    plain = dataclasses.replace(plan, shared=(), buckets=())  # each conversion its own
-    assert len(plan.predicted_calls()) < 0.75 * len(plain.predicted_calls())
+    plain = dataclasses.replace(plan, shared=(), buckets=(), gathers=())  # each its own
+    assert len(plan.predicted_calls()) < 0.6 * len(plain.predicted_calls())
+
+
+def _gpt_3d(recomputed: bool = False) -> tuple:
+    """The GPT example traced, its "3d" plan (with every block part recomputed), and
+    the plan's units."""
+    model, inputs = load_factory(GPT)()
+    traced = trace(model, inputs)
+    plan = plan_graph(traced, Mesh.from_shape(MESH), "3d")
+    units = units_of(traced, plan)
+    if recomputed:
+        plan.regions = {name: unit for name, unit in units.items() if in_block(unit)}
+    return traced, share_collectives(traced, plan, units), units
+
+
+def test_a_units_parameter_gathers_are_one_call_each_way():
+    traced, plan, units = _gpt_3d()
+    served = {s: g for g in plan.gathers for s in g.serves}
+    alone = Counter()  # (unit, axis) → gathers no bucket runs
+    for name, placed in plan.nodes.items():
+        for i, value in enumerate(tensor_inputs(traced.nodes[name])):
+            step = gathered_step(value, placed, i, plan)
+            if step is not None and (name, i) not in served:
+                alone[units[name], step.axis] += 1
+    assert plan.gathers and set(alone.values()) <= {1}  # one in its unit is a plain step
+    for g in plan.gathers:
+        assert len({units[name] for name, _ in g.serves}) == 1
+        steps = [plan.nodes[name].input_steps[i] for name, i in g.serves]
+        assert all(len(s) == 1 and s[0].axis == g.axis for s in steps)
+        assert g.nbytes == sum(s[0].nbytes for s in steps)
+    # q, k, v and the output projection of each block: their weights in one call
+    assert sorted(len(g.serves) for g in plan.gathers) == [2, 2, 4, 4]
+
+
+def test_gather_buckets_of_recomputed_units_gather_again_as_predicted():
+    _, plan, _ = _gpt_3d(recomputed=True)
+    calls = Counter(
+        (c.kind, c.phase) for c in plan.predicted_calls() if c.node.startswith("gather")
+    )
+    assert calls == {
+        ("all_gather", "forward"): 4,
+        ("all_gather", "recompute"): 4,
+        ("reduce_scatter", "backward"): 4,
+    }
+    for logged, predicted, _, _ in shared_pool(8).run(_calls, MESH, GPT, plan):
+        assert logged == predicted
+    assert_equivalent(GPT, MESH, plan=plan)
 
 
 def test_no_reader_shares_a_conversion_made_before_an_update_in_place():
@@ -62,9 +114,9 @@ def test_a_layer_norm_over_split_features_makes_one_call_per_axis_each_way():
         assert ways == {("all_gather", "none"): len(axes), ("none", "all_reduce"): len(axes)}
 
 
-def _calls(mesh, spec=GPT):
+def _calls(mesh, spec=GPT, plan=None):
     model, inputs = load_factory(spec)()
-    parallel = autoshard.parallelize(model, mesh, inputs, strategy="3d")
+    parallel = autoshard.parallelize(model, mesh, inputs, plan=plan, strategy="3d")
     with autoshard.comm_log() as log:
         parallel(*inputs).sum().backward()
     logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
@@ -72,7 +124,7 @@ def _calls(mesh, spec=GPT):
         (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in parallel.plan.predicted_calls()
     )
     buckets = {r.node: r for r in log.records if r.serves}
-    planned = {b.name: b.serves for b in parallel.plan.buckets}
+    planned = {b.name: b.serves for b in (*parallel.plan.buckets, *parallel.plan.gathers)}
     return logged, predicted, buckets, planned
 
 

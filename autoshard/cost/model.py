@@ -104,14 +104,18 @@ ROOFLINE = Formula(
 OTHER_BACKWARD = 2.0
 
 
-def step_time(step: Step, hardware: Hardware, mesh: Mesh) -> tuple[float, float]:
-    """Seconds of `step`'s forward and of its backward (which runs only if a gradient does)."""
+def step_time(
+    step: Step, hardware: Hardware, mesh: Mesh, latency: bool = True
+) -> tuple[float, float]:
+    """Seconds of `step`'s forward and of its backward (which runs only if a gradient
+    does); without `latency`, of its bytes alone (a step another call carries)."""
     link = hardware.link(mesh.index(step.axis))
+    alpha = link.alpha if latency else 0.0
 
     def seconds(kind: str) -> float:
         if kind == "none":
             return 0.0
-        return COLLECTIVES[kind](step.nbytes, step.group_size, link.alpha, link.beta)
+        return COLLECTIVES[kind](step.nbytes, step.group_size, alpha, link.beta)
 
     return seconds(step.forward_collective), seconds(step.backward_collective)
 
@@ -626,6 +630,10 @@ def node_cost(
     comm_forward, comm_backward = _comm(plan.node_steps(node_plan), hardware, plan.mesh)
     for axis, seconds in _bucketed_comm(node_plan, plan, hardware).items():
         comm_backward[axis] = comm_backward.get(axis, 0.0) + seconds
+    for step, first in plan.gathered_steps(node_plan):  # the bucket's first pays its call
+        f, b = step_time(step, hardware, plan.mesh, latency=first)
+        comm_forward[step.axis] = comm_forward.get(step.axis, 0.0) + f
+        comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + b
     for step in node_plan.regathered_steps():  # backward gathers the kept shard again
         seconds = step_time(step, hardware, plan.mesh)[0]
         comm_backward[step.axis] = comm_backward.get(step.axis, 0.0) + seconds
@@ -650,7 +658,7 @@ def node_cost(
         dict(comm_forward),
         dict(comm_backward),
         sum(parts.values()),
-        transient,
+        transient + plan.gather_pending.get(node.name, 0),
         shared,
     )
 

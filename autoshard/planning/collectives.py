@@ -1,5 +1,6 @@
 """Which collectives a plan runs once for several nodes: conversions shared by the
-readers of one value, and parameter-gradient reductions packed into buckets.
+readers of one value, parameter-gradient reductions packed into buckets, and
+parameter gathers packed per unit.
 
 Both are read off a plan, so they change its calls, never its layouts:
 
@@ -11,6 +12,11 @@ Both are read off a plan, so they change its calls, never its layouts:
   ``grad_all_reduce`` (identity forward, all-reduce backward). Those over one axis,
   of one dtype, are reduced together (`Bucket`), as DDP does: one flat buffer, in
   calls of at most `BUCKET_BYTES`, instead of one call per parameter.
+- A parameter stored split over an axis that its one reader gathers (a 3D linear's
+  weight, gathered over the axis that splits the rows it multiplies) is gathered
+  with the others of its unit gathered over that axis (`GatherBucket`), as FSDP
+  gathers a layer's parameters: one all-gather forward, one reduce-scatter backward,
+  instead of one each per parameter.
 
 The solver prices both (`autoshard.planning.solver`), so it calls this on every plan
 it costs, with the units it plans by.
@@ -34,7 +40,15 @@ from collections.abc import Iterable, Mapping
 from torch import fx
 
 from autoshard.layout import Step
-from autoshard.planning.plan import BUCKET_BYTES, Bucket, NodePlan, Plan, SharedInput
+from autoshard.planning.plan import (
+    BUCKET_BYTES,
+    Bucket,
+    GatherBucket,
+    NodePlan,
+    Plan,
+    SharedInput,
+)
+from autoshard.planning.planner import default_split
 from autoshard.strategies.inplace import updated_in_place
 from autoshard.tracing.trace import Traced, tensor_inputs
 
@@ -42,16 +56,19 @@ from autoshard.tracing.trace import Traced, tensor_inputs
 def share_collectives(
     traced: Traced, plan: Plan, unit_of: Mapping[str, str], names: Iterable[str] | None = None
 ) -> Plan:
-    """`plan` with its shared conversions and gradient buckets (`unit_of`: node name →
-    its unit). With `names`, only among those nodes: what costing them needs."""
+    """`plan` with its shared conversions, gradient and gather buckets (`unit_of`: node →
+    its unit). With `names` (in graph order), only among those nodes: what costing
+    them needs."""
+    order = list(plan.nodes if names is None else names)
     # only nodes whose inputs take steps share a conversion or reduce in a bucket
-    names = [n for n in (plan.nodes if names is None else names) if any(plan.nodes[n].input_steps)]
-    bucketed = set()
+    inputs = {n: tensor_inputs(traced.nodes[n]) for n in order if any(plan.nodes[n].input_steps)}
+    gathers = _gather_buckets(plan, unit_of, order, inputs)
+    bucketed = {served for g in gathers for served in g.serves}
     # per unit, in the order units first come: (axis, dtype) → what it reduces there
     per_unit: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))
-    for name in names:
+    for name, values in inputs.items():
         placed = plan.nodes[name]
-        for i, value in enumerate(tensor_inputs(traced.nodes[name])):
+        for i, value in enumerate(values):
             for step in bucketed_steps(value, placed, i):
                 per_unit[unit_of[name]][step.axis, dtype_name(value)].append((name, i, step))
                 bucketed.add((name, i))
@@ -73,10 +90,9 @@ def share_collectives(
     )
     first: dict[tuple, tuple[str, int]] = {}
     shared = []
-    for name in names:
+    for name, values in inputs.items():
         placed = plan.nodes[name]
-        inputs = tensor_inputs(traced.nodes[name])
-        for i, (value, steps) in enumerate(zip(inputs, placed.input_steps)):
+        for i, (value, steps) in enumerate(zip(values, placed.input_steps)):
             if not steps or i in placed.strategy.regather or (name, i) in bucketed:
                 continue
             key = (value.name, steps, unit_of[name])
@@ -84,7 +100,79 @@ def share_collectives(
                 first[key] = (name, i)
             elif not updated_in_place(value, plan):  # else a copy made before the update
                 shared.append(SharedInput(name, i, *first[key]))
-    return dataclasses.replace(plan, shared=tuple(shared), buckets=buckets)
+    return dataclasses.replace(plan, shared=tuple(shared), buckets=buckets, gathers=gathers)
+
+
+def _gather_buckets(
+    plan: Plan, unit_of: Mapping[str, str], order: list[str], inputs: dict[str, list[fx.Node]]
+) -> tuple[GatherBucket, ...]:
+    """The parameters `gathered_step` admits, per unit (and checkpoint region), axis and
+    dtype, in a bucket where at least two share one; `order`: the nodes in graph order,
+    `inputs`: the tensor inputs of those whose inputs take steps.
+
+    A bucket gathers at the start of its unit, not at its first reader: what it holds
+    then only shrinks as layers leave it (a knob the solver turns), which the solver,
+    pricing each knob of a unit on its own, counts on."""
+    groups: dict[tuple, list[tuple[str, int, Step]]] = defaultdict(list)
+    for name, values in inputs.items():
+        placed = plan.nodes[name]
+        for i, value in enumerate(values):
+            step = gathered_step(value, placed, i, plan)
+            if step is not None:
+                key = (unit_of[name], plan.regions.get(name), step.axis, dtype_name(value))
+                groups[key].append((name, i, step))
+    groups = {key: served for key, served in groups.items() if len(served) > 1}
+    if not groups:
+        return ()
+    dtypes = {dtype for *_, dtype in groups}
+    position = {name: k for k, name in enumerate(order)}
+    start: dict[tuple, int] = {}  # (unit, region) → the position of its first node
+    for k, name in enumerate(order):
+        start.setdefault((unit_of[name], plan.regions.get(name)), k)
+    out = []
+    for (unit, region, axis, dtype), served in groups.items():
+        first, last = start[unit, region], position[served[-1][0]]
+        nbytes = sum(step.nbytes for *_, step in served)
+        pending = []
+        for k in range(first, last):  # what later readers' gathers hold meanwhile
+            held = sum(step.nbytes for reader, _, step in served if position[reader] > k)
+            pending.append((order[k], held + (nbytes if k == first else 0)))
+        out.append(
+            GatherBucket(
+                name=f"gather_{axis}_{order[first]}" + (f"_{dtype}" if len(dtypes) > 1 else ""),
+                axis=axis,
+                group_size=served[0][2].group_size,
+                dtype=dtype,
+                nbytes=nbytes,
+                serves=tuple((name, i) for name, i, _ in served),
+                place=order[first],
+                pending=tuple(pending),
+            )
+        )
+    return tuple(out)
+
+
+def gathered_step(value: fx.Node, placed: NodePlan, i: int, plan: Plan) -> Step | None:
+    """The step of input `i` (`value`) of `placed` that a gather bucket may run: a
+    parameter that needs a gradient, read by this node alone, reaching it by one
+    all-gather that backward reduce-scatters, stored as its family stores it (a layer
+    whose weight knob is turned stays out), not kept as its shard (`regather`), nor
+    read by a loss run in pieces."""
+    steps = placed.input_steps[i]
+    if value.op != "get_attr" or len(steps) != 1 or not placed.input_needs_grad[i]:
+        return None
+    step = steps[0]
+    admitted = (
+        step.kind == "all_gather"
+        and step.backward == "reduce_scatter"
+        and step.nbytes
+        and len(value.users) == 1
+        and placed.strategy.split_weight in (None, default_split(placed.strategy.family))
+        and i not in placed.strategy.regather
+        and plan.chunks(placed.name) == 1
+        and not updated_in_place(value, plan)  # gathered early, it would miss the update
+    )
+    return step if admitted else None
 
 
 def _segments(units: list[dict[tuple[str, str], list]]) -> list[dict[tuple[str, str], list]]:

@@ -109,6 +109,28 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class GatherBucket:
+    """Parameters of one unit of the step gathered over `axis` together, as FSDP gathers
+    a layer's: each (node, input) it serves, in graph order, is a parameter whose one
+    step is an all-gather over `axis` that backward reduce-scatters. Before `place`,
+    the unit's first node, the program gathers their shards as one flat buffer (one
+    call of `nbytes`, the gathered size), and once the last of their gradients is
+    ready, backward reduce-scatters them as one. Gathered early and reduced late, they
+    are held longer than one at a time: `pending` lists, per node of the program from
+    `place` on, the bytes it holds for later readers (their gathered parameters in
+    forward, their gradients in backward; at `place` also the flat buffer)."""
+
+    name: str
+    axis: str
+    group_size: int
+    dtype: str
+    nbytes: int
+    serves: tuple[tuple[str, int], ...]
+    place: str
+    pending: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class ChunkedLoss:
     """The loss `loss` and the product `head` that makes its logits (through `between`,
     views and casts) run over the tokens in `chunks` pieces, one after the other: only a
@@ -165,6 +187,7 @@ class Plan:
     fallbacks: dict[str, str] = field(default_factory=dict, compare=False)
     shared: tuple[SharedInput, ...] = ()  # conversions read by several nodes, run once
     buckets: tuple[Bucket, ...] = ()  # parameter-gradient reductions packed together
+    gathers: tuple[GatherBucket, ...] = ()  # parameter gathers packed together, per unit
     # backward launches the buckets' reductions and waits at its end: they run while
     # the ops above the first parameter a bucket serves compute their gradients
     overlap: bool = True
@@ -206,13 +229,29 @@ class Plan:
     def _bucketed_nodes(self) -> frozenset[str]:
         return frozenset(n for n, _, _ in self._bucketed)
 
+    @cached_property
+    def _gathered(self) -> dict[tuple[str, int], bool]:
+        """(node, input) a gather bucket serves → whether it is the bucket's first."""
+        return {served: k == 0 for b in self.gathers for k, served in enumerate(b.serves)}
+
+    @cached_property
+    def gather_pending(self) -> dict[str, int]:
+        """Node → the bytes gather buckets hold while it runs for later readers
+        (`GatherBucket.pending`)."""
+        out: dict[str, int] = defaultdict(int)
+        for b in self.gathers:
+            for name, nbytes in b.pending:
+                out[name] += nbytes
+        return dict(out)
+
     def node_steps(self, node: NodePlan) -> list[tuple[Step, bool]]:
         """`node`'s steps that run as its own calls (with whether their backward runs):
-        not the conversions it shares with an earlier node, and, for its parameters'
-        gradients reduced in a bucket, the step without its backward."""
+        not the conversions it shares with an earlier node, nor the parameter gathers
+        a gather bucket runs, and, for its parameters' gradients reduced in a bucket,
+        the step without its backward."""
         out = []
         for i, (steps, grad) in enumerate(zip(node.input_steps, node.input_needs_grad)):
-            if (node.name, i) not in self._skipped:
+            if (node.name, i) not in self._skipped and (node.name, i) not in self._gathered:
                 out += [(s, grad and (node.name, i, s.axis) not in self._bucketed) for s in steps]
         own = list(node.strategy.internal) + list(node.output_steps)
         out += [(step, node.needs_grad) for step in own]
@@ -226,6 +265,17 @@ class Plan:
             else:
                 pieces.append((step, grad))
         return pieces
+
+    def gathered_steps(self, node: NodePlan) -> list[tuple[Step, bool]]:
+        """`node`'s parameter gathers that a gather bucket runs, with whether the step
+        is the bucket's first: the one whose cost carries the call's latency (the
+        others only move their bytes in it)."""
+        return [
+            (step, self._gathered[node.name, i])
+            for i, steps in enumerate(node.input_steps)
+            if (node.name, i) in self._gathered
+            for step in steps
+        ]
 
     def bucketed_steps(self, node: NodePlan) -> list[tuple[int, Step]]:
         """`node`'s steps whose backward a bucket runs, with the input each serves."""
@@ -282,6 +332,11 @@ class Plan:
         for b in self.buckets:
             for name, nbytes in b.calls:
                 out.append(Call(name, "all_reduce", b.axis, "backward", nbytes, b.group_size))
+        for g in self.gathers:
+            replayed = g.place in self.regions
+            for phase in ("forward", "backward", *(("recompute",) if replayed else ())):
+                kind = "reduce_scatter" if phase == "backward" else "all_gather"
+                out.append(Call(g.name, kind, g.axis, phase, g.nbytes, g.group_size))
         return out
 
     def stored_layout(self, node) -> Layout | None:
@@ -334,8 +389,8 @@ class Plan:
 # JSON (no pickle): plans are saved, read by people, and applied without solving again.
 # Reading checks every field and names the one at fault (``plan.nodes[3].strategy.stored``).
 
-SCHEMA_VERSION = 4  # 2: the graph fingerprint; 3: shared conversions and gradient buckets;
-# 4: chunked losses
+SCHEMA_VERSION = 5  # 2: the graph fingerprint; 3: shared conversions and gradient buckets;
+# 4: chunked losses; 5: gather buckets
 
 
 def _layout_dict(layout: Layout | None):
@@ -393,6 +448,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "cost": plan.cost.to_dict() if plan.cost else None,
         "shared": [asdict(x) for x in plan.shared],
         "buckets": [asdict(b) for b in plan.buckets],
+        "gathers": [asdict(g) for g in plan.gathers],
         "overlap": plan.overlap,
         "chunked": [asdict(c) for c in plan.chunked],
     }
@@ -469,6 +525,10 @@ def plan_from_dict(d) -> Plan:
         reasons=r.strings(r.field(d, "reasons", "plan", dict), "plan.reasons"),
         shared=tuple(r.shared(x, f"plan.shared[{i}]", nodes) for i, x in enumerate(shared)),
         buckets=tuple(r.bucket(x, f"plan.buckets[{i}]", nodes) for i, x in enumerate(buckets)),
+        gathers=tuple(
+            r.gather(x, f"plan.gathers[{i}]", nodes)
+            for i, x in enumerate(r.field(d, "gathers", "plan", list))
+        ),
         overlap=r.field(d, "overlap", "plan", bool),
         chunked=tuple(
             r.chunked(x, f"plan.chunked[{i}]", nodes)
@@ -613,6 +673,21 @@ class _Reader:
         return SharedInput(node, index, source, source_input)
 
     def bucket(self, data, path: str, nodes: dict) -> Bucket:
+        return Bucket(*self._bucket_fields(data, path, nodes))
+
+    def gather(self, data, path: str, nodes: dict) -> GatherBucket:
+        pending = []
+        for i, x in enumerate(self.field(data, "pending", path, list)):
+            name, nbytes = self.check(x, f"{path}.pending[{i}]", list)[:2]
+            if name not in nodes or not isinstance(nbytes, int):
+                raise PlanError(f"{path}.pending[{i}] is not a node of the plan and its bytes")
+            pending.append((name, nbytes))
+        place = self.field(data, "place", path, str)
+        if place not in nodes:
+            raise PlanError(f"{path}.place: the plan has no node {place!r}")
+        return GatherBucket(*self._bucket_fields(data, path, nodes), place, tuple(pending))
+
+    def _bucket_fields(self, data, path: str, nodes: dict) -> tuple:
         axis = self.axis(self.field(data, "axis", path, str), f"{path}.axis")
         group = self.field(data, "group_size", path, int)
         if group != self.mesh.size(axis):
@@ -621,14 +696,8 @@ class _Reader:
             self.served_input(*self.check(x, f"{path}.serves[{i}]", list)[:2], path, nodes)
             for i, x in enumerate(self.field(data, "serves", path, list))
         )
-        return Bucket(
-            self.field(data, "name", path, str),
-            axis,
-            group,
-            self.field(data, "dtype", path, str),
-            self.field(data, "nbytes", path, int),
-            serves,
-        )
+        name, dtype = self.field(data, "name", path, str), self.field(data, "dtype", path, str)
+        return name, axis, group, dtype, self.field(data, "nbytes", path, int), serves
 
     def chunked(self, data, path: str, nodes: dict) -> ChunkedLoss:
         names = [self.field(data, key, path, str) for key in ("head", "loss")]

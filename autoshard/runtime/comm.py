@@ -467,6 +467,74 @@ def grad_bucket(
     return _GradBucket.apply(mesh.axes[axis], node, serves, calls, overlap, *tensors)
 
 
+class _GatherBucket(torch.autograd.Function):
+    """Several parameters' shards gathered over one axis in one call: each rank's
+    shards flattened into one buffer, the buffers of every rank gathered, and each
+    parameter cut out of them and laid out whole along its split dim. Backward packs
+    the gradients the same way and reduce-scatters them in one call, each rank keeping
+    its shards' part."""
+
+    @staticmethod
+    def forward(ctx, axis, node, serves, dims, *shards):
+        ctx.axis, ctx.node, ctx.dims = axis, node, dims
+        ctx.shapes = [s.shape for s in shards]
+        # the bytes of the gathered buffer (and of its gradient) each reader's part takes
+        itemsize = shards[0].element_size()
+        ctx.served = _per_node(serves, [s.numel() * axis.size * itemsize for s in shards])
+        ctx.dtype, ctx.device = shards[0].dtype, shards[0].device  # of a zero gradient
+        ctx.set_materialize_grads(False)
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        gathered = _gathered(flat, axis).view(axis.size, -1)
+        if _logging():
+            _record("all_gather", axis, _nbytes(gathered), node, None, ctx.served)
+        pieces = gathered.split([s.numel() for s in shards], dim=1)
+        return tuple(
+            [
+                piece.reshape(axis.size, *shape).movedim(0, dim).flatten(dim, dim + 1).contiguous()
+                for piece, shape, dim in zip(pieces, ctx.shapes, dims)
+            ]
+        )
+
+    @staticmethod
+    def backward(ctx, *given):
+        if all(g is None for g in given):
+            return None, None, None, None, *given
+        size = ctx.axis.size
+        rows = []  # each gradient as [size, its shard's elements]: row k is rank k's part
+        for g, shape, dim in zip(given, ctx.shapes, ctx.dims):
+            if g is None:  # a parameter no output reads: its place in the buffer is zeros
+                rows.append(torch.zeros((size, shape.numel()), dtype=ctx.dtype, device=ctx.device))
+            else:
+                rows.append(g.unflatten(dim, (size, shape[dim])).movedim(dim, 0).reshape(size, -1))
+        packed = torch.cat(rows, dim=1).reshape(-1)
+        flat = _scattered(packed, ctx.axis)
+        if _logging():
+            _record("reduce_scatter", ctx.axis, _nbytes(packed), ctx.node, "backward", ctx.served)
+        parts = flat.split([shape.numel() for shape in ctx.shapes])
+        grads = [
+            None if g is None else p.view(shape) for p, g, shape in zip(parts, given, ctx.shapes)
+        ]
+        return None, None, None, None, *grads
+
+
+@on_mesh
+def gather_bucket(
+    shards, *, axis: str, dims: tuple[int, ...], node: str, serves: tuple[str, ...], mesh: BoundMesh
+):
+    """Each of `shards` gathered over `axis` along its dim in `dims`, in one call (a
+    gather bucket named `node`; ``serves[k]`` is the node that reads ``shards[k]``);
+    backward reduce-scatters their gradients in one."""
+    return _GatherBucket.apply(mesh.axes[axis], node, serves, dims, *shards)
+
+
+def _per_node(serves: tuple[str, ...], nbytes: list[int]) -> tuple[tuple[str, int], ...]:
+    """(node, bytes) of a bucket's parts, summed per node in the order nodes come."""
+    out: dict[str, int] = defaultdict(int)
+    for name, n in zip(serves, nbytes):
+        out[name] += n
+    return tuple(out.items())
+
+
 @torch.no_grad()
 def all_reduce_max(x, group: AxisGroup, node: str):
     """Elementwise maximum over `group` (no gradient: used to stabilize exponentials)."""
