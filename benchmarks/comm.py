@@ -167,7 +167,8 @@ def hand_written(parallel) -> fx.GraphModule:
             node.target, node.args, node.kwargs = bare_bucket, (node.args[0], len(_WIRED) - 1), {}
         elif node.target is comm.gather_bucket:
             kwargs = node.kwargs
-            _WIRED.append((axes[kwargs["axis"]], kwargs["node"], kwargs["serves"], kwargs["dims"]))
+            wired = (kwargs["node"], kwargs["serves"], kwargs["dims"], kwargs.get("overlap", False))
+            _WIRED.append((axes[kwargs["axis"]], *wired))
             node.target, node.args, node.kwargs = bare_gather, (node.args[0], len(_WIRED) - 1), {}
     gm.recompile()
     return gm

@@ -92,8 +92,9 @@ class InsertCollectives:
 
     def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
         graph = gm.graph
-        self._insert_buckets(graph)
-        self._insert_gathers(graph)
+        parameters = self._insert_wait(graph)
+        self._insert_buckets(graph, parameters)
+        self._insert_gathers(graph, parameters)
         for node in list(graph.nodes):
             if node.op == "placeholder":
                 with graph.inserting_before(node.next):
@@ -147,27 +148,36 @@ class InsertCollectives:
             self.converted[key] = _apply_steps(graph, value, steps, name)
         return self.converted[key]
 
-    def _insert_buckets(self, graph: fx.Graph) -> None:
+    def _insert_wait(self, graph: fx.Graph) -> dict[tuple[str, int], fx.Node]:
+        """With `Plan.overlap`, one `grad_wait` before the first op, which autograd runs
+        last: every parameter a bucket (of either kind) serves passes through it, so
+        that backward waits there for the reductions the buckets launched. Returns
+        (node, input) → the parameter the buckets take."""
+        nodes = {n.name: n for n in graph.nodes}
+        parameters = {
+            (name, i): tensor_inputs(nodes[name])[i]
+            for bucket in (*self.plan.buckets, *self.plan.gathers)
+            for name, i in bucket.serves
+        }
+        if not self.plan.overlap or not parameters:
+            return parameters
+        first_op = next(n for n in graph.nodes if n.op == "call_function")
+        with graph.inserting_before(first_op):
+            return self._passed(graph, grad_wait, (tuple(parameters.values()),), {}, parameters)
+
+    def _insert_buckets(self, graph: fx.Graph, parameters: dict) -> None:
         """One `grad_bucket` call per bucket, where the plan places it (`bucket_places`:
         before the first node that reads a parameter of one): the parameters it serves
         pass through it (and through the bucket of another axis placed with it).
         Autograd runs a bucket's backward once every reader's is done, and, as it
         takes ready nodes latest-made first, before the backward of the ops above it.
         With `Plan.overlap` that backward only launches the reductions, so they run
-        while those ops' backward does, and a `grad_wait` before the first op (run
-        last) waits for them."""
+        while those ops' backward does, and the `grad_wait` waits for them."""
         if not self.plan.buckets:
             return
         nodes = {n.name: n for n in graph.nodes}
         places = self.plan.bucket_places()
-        first_op = next(n for n in graph.nodes if n.op == "call_function")
-        current = {}
-        for bucket in self.plan.buckets:
-            for name, i in bucket.serves:
-                current.setdefault((name, i), tensor_inputs(nodes[name])[i])
-        if self.plan.overlap:
-            with graph.inserting_before(first_op):
-                current = self._passed(graph, grad_wait, (tuple(current.values()),), {}, current)
+        current = {served: parameters[served] for b in self.plan.buckets for served in b.serves}
         for bucket in self.plan.buckets:
             serves = tuple(name for name, _ in bucket.serves)
             kwargs = {"axis": bucket.axis, "node": bucket.name, "serves": serves}
@@ -181,21 +191,24 @@ class InsertCollectives:
                 current.update(self._passed(graph, grad_bucket, (values,), kwargs, passed))
         self.converted.update(current)
 
-    def _insert_gathers(self, graph: fx.Graph) -> None:
+    def _insert_gathers(self, graph: fx.Graph, parameters: dict) -> None:
         """One `gather_bucket` call per gather bucket, before the node the plan places it
         (in that node's checkpoint region: a replay gathers again); its outputs are
-        what the readers compute on."""
+        what the readers compute on. With `Plan.overlap` its backward launches the
+        reduce-scatter, as a gradient bucket's does."""
         nodes = {n.name: n for n in graph.nodes}
         for bucket in self.plan.gathers:
             first = bucket.place
             steps = [self.plan.nodes[name].input_steps[i][0] for name, i in bucket.serves]
-            values = {(name, i): tensor_inputs(nodes[name])[i] for name, i in bucket.serves}
+            values = {served: parameters[served] for served in bucket.serves}
             kwargs = {
                 "axis": bucket.axis,
                 "dims": tuple(s.dim for s in steps),
                 "node": bucket.name,
                 "serves": tuple(name for name, _ in bucket.serves),
             }
+            if self.plan.overlap:
+                kwargs["overlap"] = True
             args = (tuple(values.values()),)
             with graph.inserting_before(nodes[first]):
                 self.converted.update(

@@ -1,9 +1,11 @@
-"""Gradient-bucket reductions overlapped with backward (`Plan.overlap`, the default):
-backward launches a bucket's calls and goes on, waiting where a result is read (a
-bucket over another axis, the parameters' gradients). The program still equals
-serial with it on and off, logs exactly the predicted calls, and the cost model takes
-off the step time what runs hidden (`autoshard.planning.overlap`)."""
+"""Gradient-bucket reductions (and gather buckets' reduce-scatters) overlapped with
+backward (`Plan.overlap`, the default): backward launches a bucket's calls and goes
+on, waiting where a result is read (a bucket over another axis, the parameters'
+gradients). The program still equals serial with it on and off, logs exactly the
+predicted calls, and the cost model takes off the step time what runs hidden
+(`autoshard.planning.overlap`)."""
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,16 +15,19 @@ import torch
 
 import autoshard
 from autoshard.cost.hardware import Hardware
+from autoshard.cost.model import gather_seconds, node_costs
 from autoshard.planning import collectives
-from autoshard.planning.overlap import backward_end
+from autoshard.planning.overlap import backward_end, overlapped
 from autoshard.planning.plan import Bucket
 from autoshard.runtime import comm
 from autoshard.runtime.ranks import shared_pool
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.trace import trace
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 GPT, MLP = f"{EXAMPLES}/gpt.py:gpt", f"{EXAMPLES}/mlp.py:mlp"
 MESH = (2, 2, 2)
+REDUCTIONS = ("all_reduce", "reduce_scatter_single")  # what buckets launch
 
 
 @pytest.mark.parametrize(
@@ -38,11 +43,14 @@ def _accumulated(mesh, programs):
     the same gradients, how many bucket calls were launched asynchronously, and the
     full gradients."""
     launched = []
-    synchronous = comm.dist.all_reduce
+    synchronous = {name: getattr(comm.dist, name) for name in REDUCTIONS}
 
-    def counted(*args, **kwargs):
-        launched.append(kwargs.get("async_op", False))
-        return synchronous(*args, **kwargs)
+    def counted(name):
+        def call(*args, **kwargs):
+            launched.append(kwargs.get("async_op", False))
+            return synchronous[name](*args, **kwargs)
+
+        return call
 
     out = []
     for compiled in programs:
@@ -50,13 +58,15 @@ def _accumulated(mesh, programs):
         model, inputs = load_factory(GPT)()
         parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
         launched.clear()
-        comm.dist.all_reduce = counted
+        for name in REDUCTIONS:
+            setattr(comm.dist, name, counted(name))
         try:
             with autoshard.comm_log() as log:
                 for _ in range(2):
                     parallel(*inputs).backward()
         finally:
-            comm.dist.all_reduce = synchronous
+            for name, function in synchronous.items():
+                setattr(comm.dist, name, function)
         logged = Counter((r.node, r.kind, r.axis, r.phase, r.bytes) for r in log.records)
         out.append((logged, sum(launched), parallel.full_grads(), len(comm._PENDING)))
     return out
@@ -70,7 +80,8 @@ def test_overlapped_reductions_are_waited_for_accumulate_and_log_as_predicted():
     ]
     on, off = (program.plan for program in programs)
     assert on.overlap and not off.overlap
-    calls = sum(len(b.calls) for b in on.buckets)
+    calls = sum(len(b.calls) for b in on.buckets) + len(on.gathers)
+    assert on.gathers
     for ranks in shared_pool(8).run(_accumulated, MESH, programs):
         (logged, launched, grads, pending), (plain, synchronous, want, _) = ranks
         for plan, log in ((on, logged), (off, plain)):
@@ -103,7 +114,8 @@ def test_buckets_cut_at_units_launch_as_backward_passes_them(monkeypatch):
             (c.node, c.kind, c.axis, c.phase, c.nbytes) for c in cut.plan.predicted_calls()
         )
         assert logged == Counter({key: 2 * n for key, n in predicted.items()})
-        assert launched == 2 * len(cut.plan.buckets) and not pending
+        launched_calls = len(cut.plan.buckets) + len(cut.plan.gathers)
+        assert launched == 2 * launched_calls and not pending
         for name, grad in grads.items():  # the same sums, in other buckets
             torch.testing.assert_close(grad, want[name], rtol=1e-5, atol=1e-6)
     assert_equivalent(GPT, MESH, compiled=cut)
@@ -131,6 +143,7 @@ def test_buckets_over_different_axes_run_side_by_side():
     model, inputs = load_factory(MLP)()
     hardware = Hardware.load("nvlink-8")
     plan = autoshard.plan(model, MESH, inputs, strategy="3d", hardware=hardware)
+    plan = dataclasses.replace(plan, gathers=())  # the gradient buckets alone
     buckets = {b.axis: b for b in plan.buckets}
     assert [b.axis for b in plan.buckets] == ["a", "b", "c"]
     assert set(buckets["b"].serves) & set(buckets["a"].serves)
@@ -141,7 +154,22 @@ def test_buckets_over_different_axes_run_side_by_side():
         link = hardware.link(plan.mesh.index(axis))
         return 2 * link.alpha + buckets[axis].nbytes / link.beta
 
-    assert plan.cost.overlapped == pytest.approx(min(seconds("b"), seconds("c")), rel=1e-12)
+    hidden = overlapped(plan, node_costs(trace(model, inputs), plan, hardware), hardware)
+    assert hidden == pytest.approx(min(seconds("b"), seconds("c")), rel=1e-12)
+
+
+def test_a_gather_bucket_reduces_while_the_units_before_it_compute():
+    # The MLP's blocks each gather their two weights over a at the block's start:
+    # backward launches a block's reduce-scatter once past the block and goes on with
+    # the blocks before it, so more is hidden than with the gradient buckets alone.
+    model, inputs = load_factory(MLP)()
+    hardware = Hardware.load("nvlink-8")
+    plan = autoshard.plan(model, MESH, inputs, strategy="3d", hardware=hardware)
+    costs = node_costs(trace(model, inputs), plan, hardware)
+    assert len(plan.gathers) == 3 and {g.axis for g in plan.gathers} == {"a"}
+    alone = overlapped(dataclasses.replace(plan, gathers=()), costs, hardware)
+    reduce_scatters = sum(gather_seconds(g, plan.mesh, hardware) for g in plan.gathers)
+    assert alone < plan.cost.overlapped <= alone + reduce_scatters
 
 
 def test_a_unit_that_fills_a_bucket_alone_launches_its_buckets_itself(monkeypatch):

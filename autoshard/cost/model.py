@@ -69,7 +69,7 @@ from autoshard.tracing.schema import argument
 from autoshard.tracing.trace import differentiable, structure, tensor_inputs
 
 if TYPE_CHECKING:
-    from autoshard.planning.plan import Bucket, NodePlan, Plan
+    from autoshard.planning.plan import Bucket, GatherBucket, NodePlan, Plan
     from autoshard.tracing.trace import Traced
 
 
@@ -393,6 +393,12 @@ def bucket_seconds(bucket: Bucket, mesh: Mesh, hardware: Hardware) -> float:
     link = hardware.link(mesh.index(bucket.axis))
     bandwidth = ALL_REDUCE(bucket.nbytes, bucket.group_size, 0.0, link.beta)
     return len(bucket.calls) * bucket_latency(bucket.axis, mesh, hardware) + bandwidth
+
+
+def gather_seconds(bucket: GatherBucket, mesh: Mesh, hardware: Hardware) -> float:
+    """Seconds of a gather bucket's backward: one reduce-scatter of its gradients."""
+    link = hardware.link(mesh.index(bucket.axis))
+    return REDUCE_SCATTER(bucket.nbytes, bucket.group_size, link.alpha, link.beta)
 
 
 def bucket_latency(axis: str, mesh: Mesh, hardware: Hardware) -> float:

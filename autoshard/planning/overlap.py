@@ -1,13 +1,15 @@
 """How much of the gradient buckets' communication runs while other work does.
 
 With `Plan.overlap` the program's backward launches each bucket's reductions and
-goes on (`autoshard.runtime.comm.grad_bucket`); it waits for them at its end, before
-the gradients reach the parameters. Autograd runs ready nodes latest-made first, on
+goes on (`autoshard.runtime.comm.grad_bucket`, and a gather bucket's reduce-scatter:
+`gather_bucket`); it waits for them at its end, before the gradients reach the
+parameters. Autograd runs ready nodes latest-made first, on
 one thread, so backward unfolds as follows, from the last node to the first:
 
 - each node's backward computes, in turn;
 - once backward is past the node a bucket is placed before (`Plan.bucket_places`:
-  the first reader of what it serves), the bucket launches its calls, after waiting
+  the first reader of what it serves; a gather bucket's `place`: the first node of
+  its unit), the bucket launches its calls, after waiting
   for any bucket placed with it whose gradients it reduces further (a parameter
   replicated over two axes goes through a bucket per axis, in turn);
 - the last wait ends when every node's backward and every launched reduction are
@@ -34,23 +36,26 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from autoshard.cost.hardware import Hardware
-from autoshard.cost.model import NodeCost, bucket_seconds
-from autoshard.planning.plan import Bucket, Plan
+from autoshard.cost.model import NodeCost, bucket_seconds, gather_seconds
+from autoshard.planning.plan import Bucket, GatherBucket, Plan
 
 
 def overlapped(plan: Plan, costs: Mapping[str, NodeCost], hardware: Hardware) -> float:
     """Seconds of the buckets' communication hidden behind other work (0 without
     `plan.overlap`); `costs` are the plan's node costs (`node_costs`)."""
-    if not plan.overlap or not plan.buckets:
+    if not plan.overlap or not (plan.buckets or plan.gathers):
         return 0.0
     compute = {name: costs[name].backward_compute for name in plan.nodes}
     seconds = {b.name: bucket_seconds(b, plan.mesh, hardware) for b in plan.buckets}
-    end = backward_end(plan.buckets, seconds, compute, plan.bucket_places())
+    seconds.update({g.name: gather_seconds(g, plan.mesh, hardware) for g in plan.gathers})
+    places = {**plan.bucket_places(), **{g.name: g.place for g in plan.gathers}}
+    # placed with the gradient buckets, a gather bucket comes after them in the program
+    end = backward_end((*plan.buckets, *plan.gathers), seconds, compute, places)
     return sum(seconds.values()) + sum(compute.values()) - end
 
 
 def backward_end(
-    buckets: tuple[Bucket, ...],
+    buckets: tuple[Bucket | GatherBucket, ...],
     seconds: Mapping[str, float],
     compute: Mapping[str, float],
     places: Mapping[str, str],

@@ -475,8 +475,9 @@ class _GatherBucket(torch.autograd.Function):
     its shards' part."""
 
     @staticmethod
-    def forward(ctx, axis, node, serves, dims, *shards):
+    def forward(ctx, axis, node, serves, dims, overlap, *shards):
         ctx.axis, ctx.node, ctx.dims = axis, node, dims
+        ctx.overlap = overlap and not torch.compiler.is_compiling()
         ctx.shapes = [s.shape for s in shards]
         # the bytes of the gathered buffer (and of its gradient) each reader's part takes
         itemsize = shards[0].element_size()
@@ -498,7 +499,7 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *given):
         if all(g is None for g in given):
-            return None, None, None, None, *given
+            return None, None, None, None, None, *given
         size = ctx.axis.size
         rows = []  # each gradient as [size, its shard's elements]: row k is rank k's part
         for g, shape, dim in zip(given, ctx.shapes, ctx.dims):
@@ -507,24 +508,37 @@ class _GatherBucket(torch.autograd.Function):
             else:
                 rows.append(g.unflatten(dim, (size, shape[dim])).movedim(dim, 0).reshape(size, -1))
         packed = torch.cat(rows, dim=1).reshape(-1)
-        flat = _scattered(packed, ctx.axis)
+        if ctx.overlap:  # launched; the parameters' `grad_wait` waits for it
+            flat = packed.new_empty(packed.shape[0] // size)
+            work = dist.reduce_scatter_single(flat, packed, group=ctx.axis.group, async_op=True)
+            _PENDING[_storage(flat)] = (flat, [work])
+        else:
+            flat = _scattered(packed, ctx.axis)
         if _logging():
             _record("reduce_scatter", ctx.axis, _nbytes(packed), ctx.node, "backward", ctx.served)
         parts = flat.split([shape.numel() for shape in ctx.shapes])
         grads = [
             None if g is None else p.view(shape) for p, g, shape in zip(parts, given, ctx.shapes)
         ]
-        return None, None, None, None, *grads
+        return None, None, None, None, None, *grads
 
 
 @on_mesh
 def gather_bucket(
-    shards, *, axis: str, dims: tuple[int, ...], node: str, serves: tuple[str, ...], mesh: BoundMesh
+    shards,
+    *,
+    axis: str,
+    dims: tuple[int, ...],
+    node: str,
+    serves: tuple[str, ...],
+    overlap: bool = False,
+    mesh: BoundMesh,
 ):
     """Each of `shards` gathered over `axis` along its dim in `dims`, in one call (a
     gather bucket named `node`; ``serves[k]`` is the node that reads ``shards[k]``);
-    backward reduce-scatters their gradients in one."""
-    return _GatherBucket.apply(mesh.axes[axis], node, serves, dims, *shards)
+    backward reduce-scatters their gradients in one. With `overlap` backward launches
+    that call and goes on; a `grad_wait` on the shards waits for it."""
+    return _GatherBucket.apply(mesh.axes[axis], node, serves, dims, overlap, *shards)
 
 
 def _per_node(serves: tuple[str, ...], nbytes: list[int]) -> tuple[tuple[str, int], ...]:
