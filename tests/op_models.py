@@ -909,6 +909,70 @@ def fourier_mixing():
     return FourierMixing(), (torch.randn(8, 8, 32),)
 
 
+class RandomOnTransposed(nn.Module):
+    """Random ops with no rule (they run replicated) on transposed activations: torch
+    draws their numbers in the memory order of a tensor like their input, which a
+    gathered operand is not laid out as: alpha and feature-alpha dropout, randn_like.
+    (Not rand_like, nor bernoulli with a tensor of probabilities: float64 draws other
+    numbers for them, so the float64 run would be no reference.)"""
+
+    def __init__(self, hidden=16, tokens=8):
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+        self.b = nn.Linear(tokens, hidden)
+
+    def forward(self, x):
+        t = self.a(x).transpose(1, 2)  # [batch, hidden, tokens]: a view, not row-major
+        noisy = F.alpha_dropout(t, 0.2, training=True) + F.feature_alpha_dropout(t, 0.3, True)
+        return self.b(noisy + torch.randn_like(t))
+
+
+class BlockAppliedTwice(nn.Module):
+    """One block applied twice on the residual stream, `h = h + blk(h)` in a loop (a
+    weight-shared recurrence): each of its layers is one unit read twice, with the
+    residual sum between its two readings."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.blk = nn.Sequential(
+            nn.LayerNorm(hidden),
+            nn.Linear(hidden, 2 * hidden),
+            nn.GELU(),
+            nn.Linear(2 * hidden, hidden),
+        )
+
+    def forward(self, x):
+        h = x
+        for _ in range(2):
+            h = h + self.blk(h)
+        return h
+
+
+def block_applied_twice():
+    return BlockAppliedTwice(), (torch.randn(8, 8, 32),)
+
+
+class RenormedEmbedding(nn.Module):
+    """An embedding with `max_norm`: each forward renormalizes the rows it looks up, in
+    place, in the weight itself."""
+
+    def __init__(self, vocab=64, hidden=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, max_norm=1.0)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, ids):
+        return self.out(self.embed(ids)).tanh()
+
+
+def renormed_embedding():
+    return RenormedEmbedding(), (torch.randint(0, 64, (8, 8)),)
+
+
+def random_on_transposed():
+    return RandomOnTransposed(hidden=32), (torch.randn(8, 8, 32),)
+
+
 class TensorSplits(nn.Module):
     """``tensor_split`` into sections along features, and by indices along tokens."""
 

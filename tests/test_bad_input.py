@@ -139,6 +139,22 @@ def test_a_data_dependent_shape_names_the_op():
         _plan(Masked(), (torch.randn(8, 16),))
 
 
+class SeededInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+
+    def forward(self, x):  # a fixed random projection, drawn from a generator made here
+        proj = torch.randn(16, 4, generator=torch.Generator().manual_seed(9))
+        return self.a(x) @ proj
+
+
+def test_a_generator_made_in_forward_names_its_reader_and_what_to_do():
+    # the planner read .ndim on the generator before (an AttributeError)
+    with pytest.raises(autoshard.TraceError, match=r"Generator \(read by 'randn'.*buffer"):
+        _plan(SeededInForward(), (torch.randn(8, 16),))
+
+
 def test_a_keyword_only_forward_traces_from_its_examples_in_declaration_order():
     traced = trace(*keyword_only())
     assert [spec.name for spec in traced.inputs] == ["x"]

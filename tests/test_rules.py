@@ -492,6 +492,24 @@ def test_a_gradient_through_complex_values_is_reduced_like_any_other(mesh, strat
         assert_equivalent(f"{OPS}:fourier_mixing", mesh, strategy=strategy, steps=2)
 
 
+@pytest.mark.parametrize("strategy", ["3d", "megatron", None])
+def test_random_ops_on_transposed_activations_draw_what_serial_draws(strategy):
+    # they drew into a gathered, row-major operand: the serial numbers, permuted
+    # (outputs off by their own size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # they run replicated, with a warning
+        assert_equivalent(f"{OPS}:random_on_transposed", (2, 2, 2), strategy=strategy)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "3d", "megatron"])
+def test_an_embedding_renormalizing_its_rows_in_place_matches_serial(strategy):
+    # under "dp" its weight went through a gradient bucket, a view of which the
+    # renormalization then changed in place: every rank raised
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the renormalization runs replicated
+        assert_equivalent(f"{OPS}:renormed_embedding", (2, 2, 2), strategy=strategy)
+
+
 @pytest.mark.parametrize("strategy", ["3d", "megatron"])
 def test_an_eval_batch_norm_of_one_sample_per_rank_matches_serial(strategy):
     # torch's CPU kernel gets a single sample's gradients wrong when they arrive with

@@ -69,7 +69,7 @@ def share_collectives(
     for name, values in inputs.items():
         placed = plan.nodes[name]
         for i, value in enumerate(values):
-            for step in bucketed_steps(value, placed, i):
+            for step in bucketed_steps(value, placed, i, plan):
                 per_unit[unit_of[name]][step.axis, dtype_name(value)].append((name, i, step))
                 bucketed.add((name, i))
     segments = _segments(list(per_unit.values()))
@@ -207,15 +207,17 @@ def _nbytes(served) -> int:
     return sum(step.nbytes for _, _, step in served)
 
 
-def bucketed_steps(value: fx.Node, placed: NodePlan, i: int) -> tuple[Step, ...]:
+def bucketed_steps(value: fx.Node, placed: NodePlan, i: int, plan: Plan) -> tuple[Step, ...]:
     """The steps of input `i` (`value`) of `placed` whose gradient reductions go in
-    buckets: a parameter's that needs a gradient, has elements, and reaches it by
-    ``grad_all_reduce`` steps only."""
+    buckets: a parameter's that needs a gradient, has elements, reaches it by
+    ``grad_all_reduce`` steps only, and that no node updates in place (an embedding
+    with `max_norm` renormalizes its rows: a bucket, made before, would hand on a view
+    of it that the update invalidates)."""
     steps = placed.input_steps[i]
     if value.op != "get_attr" or not placed.input_needs_grad[i] or not steps:
         return ()
     bucketed = all(step.kind == "grad_all_reduce" and step.nbytes for step in steps)
-    return steps if bucketed else ()
+    return steps if bucketed and not updated_in_place(value, plan) else ()
 
 
 def dtype_name(value: fx.Node) -> str:

@@ -115,7 +115,14 @@ from autoshard.planning.planner import (
     plan_graph,
     replanned,
 )
-from autoshard.planning.units import EPILOGUE, in_block, kept_resident, units_of, updated_outside
+from autoshard.planning.units import (
+    EPILOGUE,
+    in_block,
+    kept_resident,
+    outlines,
+    units_of,
+    updated_outside,
+)
 from autoshard.strategies import NAMED
 from autoshard.tracing.trace import Traced, tensor_inputs
 
@@ -380,7 +387,9 @@ def build_problem(
     replayable = {
         u
         for u in units
-        if in_block(u) and not updated_outside(traced, plans[families[0], ()], members[u])
+        if in_block(u)
+        and not updated_outside(traced, plans[families[0], ()], members[u])
+        and outlines(traced, members[u])
     }
     signatures = _Signatures(traced, plans, members)
     users = first_users(traced, plans[families[0], ()])  # every variant plans every node

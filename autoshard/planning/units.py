@@ -79,6 +79,25 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
     return out
 
 
+def outlines(traced: Traced, names: Iterable[str]) -> bool:
+    """Whether a unit's nodes (`names`) can run as one region, replayed in backward: no
+    node between its first and last depends on one of them and feeds another (a block
+    applied twice, `h = h + blk(h)` in a loop: the second application reads what the
+    first made through the residual sum between them)."""
+    members = set(names)
+    nodes = list(traced.graph_module.graph.nodes)
+    inside = [k for k, node in enumerate(nodes) if node.name in members]
+    after_members: set[str] = set()  # outside nodes in the span that read the unit
+    for node in nodes[inside[0] : inside[-1] + 1]:
+        reads = {a.name for a in node.all_input_nodes}
+        if node.name in members:
+            if reads & after_members:
+                return False
+        elif reads & (members | after_members):
+            after_members.add(node.name)
+    return True
+
+
 def updated_outside(traced: Traced, plan: Plan, names: Iterable[str]) -> str | None:
     """The first of `names` (a unit's nodes) that updates in place, and runs so, storage
     made outside them (a batch norm's running statistics, a counted buffer, a model

@@ -11,6 +11,7 @@ import math
 from functools import partial
 
 import torch
+from torch.utils import _pytree as pytree
 
 from autoshard.layout import Layout
 from autoshard.runtime import comm
@@ -172,6 +173,27 @@ def dropout(
     noise = torch.empty_like(serial, dtype=x.dtype, device=x.device)  # as torch's dropout
     noise.bernoulli_(1 - p).div_(1 - p)
     return x * comm.local_part(noise, dims, mesh).clone()  # keep only the local part alive
+
+
+def on_serial_strides(op: str, *args, strides: tuple, **kwargs):
+    """`op` (an ATen random op run replicated, by name) on its tensor arguments laid out
+    with the strides they have in the serial program (`strides`, one per tensor
+    argument in order; None: any): it draws its numbers into a tensor like its input
+    (`empty_like`), in the input's memory order, so a gathered (contiguous) input in
+    place of a transposed view would get the serial program's numbers in another
+    order."""
+    order = iter(strides)
+
+    def restrided(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        stride = next(order)
+        if stride is None or a.stride() == stride:
+            return a
+        return torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
+
+    args, kwargs = pytree.tree_map(restrided, (args, kwargs))
+    return _aten(op)(*args, **kwargs)
 
 
 def share_of_mean(op: str, *args, scale: float, **kwargs):

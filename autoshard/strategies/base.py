@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
+from autoshard.runtime import ops
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -206,8 +208,32 @@ def replicated_fallback(ctx: Context) -> list[Strategy]:
             Layout.replicated(len(ctx.out_shape)),
             outputs=outputs,
             detail="no rule",
+            lowering=SERIAL_STRIDES if _draws_by_strides(ctx.node) else None,
         )
     ]
+
+
+def _draws_by_strides(node: fx.Node) -> bool:
+    """A random op on a tensor the serial program lays out other than row-major (a
+    transposed view): its numbers follow that layout, which a gathered operand lacks."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    return any(not inp.meta["val"].is_contiguous() for inp in _tensor_args(node))
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor arguments, in the order `pytree` meets them."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, fx.Node) and is_tensor(a)]
+
+
+def _rewrite_on_serial_strides(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    strides = tuple(tuple(a.meta["val"].stride()) for a in _tensor_args(node))
+    node.args, node.kwargs = (str(node.target), *node.args), {**node.kwargs, "strides": strides}
+    node.target = ops.on_serial_strides
+
+
+SERIAL_STRIDES = Lowering("on serial strides", _rewrite_on_serial_strides)
 
 
 def _replicated_like(value) -> Layout:

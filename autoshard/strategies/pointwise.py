@@ -252,6 +252,23 @@ def _in_place_dropout_noise(node, in_shapes, out_shape, needs_grad, mask_itemsiz
 register(aten.dropout_.default, saved=_in_place_dropout_noise)()
 
 
+def _alpha_dropout_noise(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """alpha_dropout multiplies its input by a noise tensor of the input's size and
+    dtype, feature_alpha_dropout by one of a value per channel (the input's first two
+    dims, ones after); nothing when p = 0 or not training. (No rule: they run
+    replicated, drawing what the serial model draws.)"""
+    if dropout_returns_input(node):
+        return Saved()
+    if node.target == aten.feature_alpha_dropout.default:
+        out_shape = (*out_shape[:2], *[1] * (len(out_shape) - 2))
+    return Saved(extra_bytes=numel(out_shape) * itemsize(node))
+
+
+register(
+    aten.alpha_dropout.default, aten.feature_alpha_dropout.default, saved=_alpha_dropout_noise
+)()
+
+
 @register(aten.dropout.default, saved=_dropout_mask, lowerings=(DROPOUT,))
 def dropout(ctx: Context) -> list[Strategy]:
     # The mask is drawn for the global shape and sliced, so a sharded model drops

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from autoshard.strategies.base import Lowering, Rule, Saved, SavedRule
+from autoshard.strategies.base import SERIAL_STRIDES, Lowering, Rule, Saved, SavedRule
 
 Shapes = Sequence[Sequence[int]]
 Flops = Callable[[fx.Node, Shapes, Sequence[int]], float]
@@ -71,7 +71,7 @@ class OpEntry:
 
 
 _ENTRIES: dict[object, OpEntry] = {}
-_LOWERINGS: dict[str, Lowering] = {}
+_LOWERINGS: dict[str, Lowering] = {SERIAL_STRIDES.name: SERIAL_STRIDES}  # of ops with no rule
 
 
 def register(

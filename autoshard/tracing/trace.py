@@ -73,6 +73,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(_export_failed(model, e)) from e
 
+    _check_no_objects(exported, model)
     check_custom_functions(model, custom_functions)
     inline_regions(exported.graph_module)
     _check_static_shapes(exported.graph, model)
@@ -258,6 +259,22 @@ def _bound(model: torch.nn.Module, example_inputs: tuple):
     cut = min(len(positional), len(example_inputs))
     kwargs = dict(zip(names[cut:], example_inputs[cut:]))
     return signature, names, example_inputs[:cut], kwargs
+
+
+def _check_no_objects(exported, model: torch.nn.Module) -> None:
+    """An object made in forward that is no tensor (a `torch.Generator` seeded there)
+    becomes an input of the exported graph that no layout describes: name its reader."""
+    lifted = exported.graph_signature.inputs_to_lifted_custom_objs
+    for node in exported.graph.nodes:
+        if node.op == "placeholder" and node.name in lifted:
+            kind = getattr(node.meta.get("val"), "class_fqn", "object")
+            readers = ", ".join(f"'{u.name}' ({u.target})" for u in node.users) or "none"
+            raise TraceError(
+                f"{type(model).__name__}: forward makes a {kind} (read by {readers}), which "
+                "autoshard cannot place on a mesh; draw from the default generator (seeded "
+                "with torch.manual_seed), or make the tensor once in __init__ and register "
+                "it as a buffer"
+            )
 
 
 def _check_static_shapes(graph: fx.Graph, model: torch.nn.Module) -> None:
