@@ -664,9 +664,27 @@ def node_cost(
         dict(comm_forward),
         dict(comm_backward),
         sum(parts.values()),
-        transient + plan.gather_pending.get(node.name, 0),
+        transient + plan.gather_pending.get(node.name, 0) + _returning(node, plan),
         shared,
     )
+
+
+def _returning(node: fx.Node, plan: Plan) -> int:
+    """Bytes the program holds at once while it gathers its outputs whole, after its
+    last node (`comm.all_gather`, step by step: the step's input, the gathered buffer,
+    and, gathered along a dim other than 0, that buffer moved back to its dim; the
+    outputs gathered before it), counted with the last node's transients: 0 for any
+    other node."""
+    if node.name != next(reversed(plan.nodes)):
+        return 0
+    high = returned = 0
+    for steps in plan.output_steps:
+        gathers = [s for s in steps if s.forward_collective == "all_gather"]
+        for step in gathers:
+            held = step.nbytes // step.group_size + (2 if step.dim else 1) * step.nbytes
+            high = max(high, returned + held)
+        returned += gathers[-1].nbytes if gathers else 0
+    return high
 
 
 def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:
