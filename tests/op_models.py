@@ -952,6 +952,39 @@ def block_applied_twice():
     return BlockAppliedTwice(), (torch.randn(8, 8, 32),)
 
 
+class GatedBlock(nn.Module):
+    """A gated MLP without biases beside a plain linear: four weights a 3D plan gathers
+    over one axis, in one gather bucket."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.gate = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = nn.Linear(4 * hidden, hidden, bias=False)
+        self.side = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x)) + self.side(x)
+
+
+class GatedBlocks(nn.Module):
+    def __init__(self, hidden=64, layers=2):
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden, bias=False)
+        self.blocks = nn.ModuleList(GatedBlock(hidden) for _ in range(layers))
+        self.out = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def gated_blocks():
+    return GatedBlocks(), (torch.randn(4, 4, 64),)
+
+
 class RenormedEmbedding(nn.Module):
     """An embedding with `max_norm`: each forward renormalizes the rows it looks up, in
     place, in the weight itself."""

@@ -355,6 +355,26 @@ def test_on_links_that_differ_the_solver_also_chooses_which_axis_takes_which_rol
     assert_equivalent(GPT, MESH, compiled=compiled)
 
 
+def test_a_budget_that_only_fits_without_gather_buckets_is_planned_without_them():
+    # A gather bucket holds its weights from its unit's start: the smallest budget with
+    # them is above the smallest without, which was refused (a budget that fitted
+    # before gather buckets no longer did).
+    spec = f"{OPS}:gated_blocks"
+    model, inputs = load_factory(spec)()
+    traced = trace(model, inputs)
+    mesh, hw = Mesh.from_shape(MESH), Hardware.load("nvlink-8")
+    bucketed, plain = (
+        build_problem(traced, mesh, hw, SPACES["3d"], 2.0, gather_buckets=gather)
+        for gather in (True, False)
+    )
+    floor = smallest_peak(plain)
+    assert floor < smallest_peak(bucketed)
+    plan = autoshard.plan(model, MESH, inputs, memory_budget=floor)
+    assert plan.cost.peak_memory <= floor and not plan.gathers
+    assert autoshard.plan(model, MESH, inputs, strategy="3d").gathers  # forced: it has some
+    assert_equivalent(spec, MESH, plan=plan)
+
+
 def test_a_block_applied_twice_under_the_smallest_budget_matches_serial():
     # Each layer of the block is one unit read twice, the residual sum between its two
     # readings: recomputing it as one region failed to emit ("used before it has been

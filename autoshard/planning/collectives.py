@@ -62,7 +62,7 @@ def share_collectives(
     order = list(plan.nodes if names is None else names)
     # only nodes whose inputs take steps share a conversion or reduce in a bucket
     inputs = {n: tensor_inputs(traced.nodes[n]) for n in order if any(plan.nodes[n].input_steps)}
-    gathers = _gather_buckets(plan, unit_of, order, inputs)
+    gathers = _gather_buckets(plan, unit_of, order, inputs) if plan.gather_buckets else ()
     bucketed = {served for g in gathers for served in g.serves}
     # per unit, in the order units first come: (axis, dtype) → what it reduces there
     per_unit: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))
@@ -133,10 +133,11 @@ def _gather_buckets(
     for (unit, region, axis, dtype), served in groups.items():
         first, last = start[unit, region], position[served[-1][0]]
         nbytes = sum(step.nbytes for *_, step in served)
+        flat = nbytes + nbytes // served[0][2].group_size  # gathered, and this rank's part
         pending = []
         for k in range(first, last):  # what later readers' gathers hold meanwhile
             held = sum(step.nbytes for reader, _, step in served if position[reader] > k)
-            pending.append((order[k], held + (nbytes if k == first else 0)))
+            pending.append((order[k], held + (flat if k == first else 0)))
         out.append(
             GatherBucket(
                 name=f"gather_{axis}_{order[first]}" + (f"_{dtype}" if len(dtypes) > 1 else ""),

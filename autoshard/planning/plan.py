@@ -118,7 +118,8 @@ class GatherBucket:
     ready, backward reduce-scatters them as one. Gathered early and reduced late, they
     are held longer than one at a time: `pending` lists, per node of the program from
     `place` on, the bytes it holds for later readers (their gathered parameters in
-    forward, their gradients in backward; at `place` also the flat buffer)."""
+    forward, their gradients in backward; at `place` also the flat buffers: the
+    gathered one, and this rank's shards, or its part of the gradients)."""
 
     name: str
     axis: str
@@ -191,6 +192,9 @@ class Plan:
     # backward launches the buckets' reductions and waits at its end: they run while
     # the ops above the first parameter a bucket serves compute their gradients
     overlap: bool = True
+    # whether `share_collectives` packs parameter gathers (`gathers`): the solver plans
+    # without them where the weights they hold early keep a budget from fitting
+    gather_buckets: bool = field(default=True, compare=False)
     chunked: tuple[ChunkedLoss, ...] = ()  # losses run over their tokens in pieces
 
     def chunks(self, name: str) -> int:

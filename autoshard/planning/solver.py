@@ -349,6 +349,7 @@ def build_problem(
     optimizer: float,
     fallback: bool = True,
     loss_chunks: int | None = None,
+    gather_buckets: bool = True,
 ) -> Problem:
     """The integer program of the module docstring, for `families` in every order of
     the axes that costs differently (`orientations`); "replicated" and the named
@@ -366,6 +367,8 @@ def build_problem(
         for order in (orders if family not in ("replicated", *NAMED) else [()])
     }
     unit = units_of(traced, plans[families[0], ()])
+    for plan in plans.values():
+        plan.gather_buckets = gather_buckets
     plans = {v: share_collectives(traced, plan, unit) for v, plan in plans.items()}
     units = list(dict.fromkeys(unit.values()))
     members: dict[str, list[str]] = defaultdict(list)
@@ -1406,17 +1409,22 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
         space = (strategy,) if strategy else SPACES[options.strategy_space]
         if memory_budget is None:
             memory_budget = hardware.memory_per_device
-        # A family the user forced must fit every node; the solver's own choice falls
-        # back node by node to the next family that fits.
-        problem = build_problem(
-            traced,
-            mesh,
-            hardware,
-            space,
-            options.optimizer,
-            fallback=not strategy,
-            loss_chunks=options.loss_chunks,
-        )
+
+        def problem_for(gather_buckets: bool) -> Problem:
+            # A family the user forced must fit every node; the solver's own choice
+            # falls back node by node to the next family that fits.
+            return build_problem(
+                traced,
+                mesh,
+                hardware,
+                space,
+                options.optimizer,
+                fallback=not strategy,
+                loss_chunks=options.loss_chunks,
+                gather_buckets=gather_buckets,
+            )
+
+        problem = problem_for(True)
         if options.loss_chunks not in (None, 1) and not problem.chunked:
             _forced_chunks(traced, problem.plans[space[0], ()], options.loss_chunks)
             raise StrategyError(
@@ -1425,7 +1433,14 @@ def plan_model(traced: Traced, mesh: Mesh, options: PlanOptions) -> Plan:
                 "model's loss is not, so force a family (strategy='3d') to cut it anyway, "
                 "or give loss_chunks=None"
             )
-        choice = solve(problem, memory_budget)
+        try:
+            choice = solve(problem, memory_budget)
+        except BudgetError:
+            # Gathered at a unit's start, a gather bucket's weights are held longer than
+            # one at a time: where that is what keeps the budget from fitting, plan
+            # without them (raising, if nothing fits still, with the smaller floor)
+            problem = problem_for(False)
+            choice = solve(problem, memory_budget)
         plan = plan_choice(
             traced, mesh, problem, choice, hardware, options.optimizer, options.overlap is not False
         )
@@ -1482,6 +1497,7 @@ def plan_choice(
     first = problem.plans[choice[problem.units[0]].variant]  # inputs split as it splits them
     inputs = {name: first.storage[name] for name in first.entry_steps}
     plan = plan_graph(traced, mesh, fixed=fixed, inputs=inputs, knobs=knobs)
+    plan.gather_buckets = first.gather_buckets
     plan.chunked = tuple(
         problem.chunked[u, option.variant, option.chunks]
         for u, option in choice.items()
