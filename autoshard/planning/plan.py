@@ -84,12 +84,9 @@ def bucket_calls(nbytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """The parameter gradients of one dtype all-reduced over `axis` together: each
-    (node, input) it serves is a parameter whose steps include a ``grad_all_reduce``
-    over `axis`. When the last of them is ready, backward reduces their `nbytes` as one
-    flat buffer, in calls of at most `BUCKET_BYTES` (`calls`): ⌈nbytes / BUCKET_BYTES⌉
-    of them, which is what the solver prices."""
+class Packed:
+    """Parameters of one dtype whose collectives over `axis` run as one flat buffer of
+    `nbytes`: each (node, input) it serves is a parameter that node reads."""
 
     name: str
     axis: str
@@ -97,6 +94,15 @@ class Bucket:
     dtype: str
     nbytes: int
     serves: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Bucket(Packed):
+    """The parameter gradients all-reduced over `axis` together: each parameter it
+    serves has steps that include a ``grad_all_reduce`` over `axis`. When the last of
+    them is ready, backward reduces their `nbytes` as one flat buffer, in calls of at
+    most `BUCKET_BYTES` (`calls`): ⌈nbytes / BUCKET_BYTES⌉ of them, which is what the
+    solver prices."""
 
     @property
     def calls(self) -> tuple[tuple[str, int], ...]:
@@ -109,10 +115,10 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class GatherBucket:
+class GatherBucket(Packed):
     """Parameters of one unit of the step gathered over `axis` together, as FSDP gathers
-    a layer's: each (node, input) it serves, in graph order, is a parameter whose one
-    step is an all-gather over `axis` that backward reduce-scatters. Before `place`,
+    a layer's: each parameter it serves, in graph order, has one step, an all-gather
+    over `axis` that backward reduce-scatters. Before `place`,
     the unit's first node, the program gathers their shards as one flat buffer (one
     call of `nbytes`, the gathered size), and once the last of their gradients is
     ready, backward reduce-scatters them as one. Gathered early and reduced late, they
@@ -121,12 +127,6 @@ class GatherBucket:
     forward, their gradients in backward; at `place` also the flat buffers: the
     gathered one, and this rank's shards, or its part of the gradients)."""
 
-    name: str
-    axis: str
-    group_size: int
-    dtype: str
-    nbytes: int
-    serves: tuple[tuple[str, int], ...]
     place: str
     pending: tuple[tuple[str, int], ...]
 
