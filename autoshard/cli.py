@@ -50,7 +50,7 @@ from rich.text import Text
 from autoshard.errors import AutoshardError, human_bytes
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
-from autoshard.planning.plan import Plan
+from autoshard.planning.plan import NodePlan, Plan
 from autoshard.planning.planner import default_split
 from autoshard.sizes import memory_budget
 from autoshard.strategies import FAMILIES, OpEntry, Strategy, entries
@@ -158,18 +158,21 @@ def shape_text(shape) -> str:
     return "×".join(map(str, shape)) if len(shape) else "scalar"
 
 
-def steps_text(steps: list[tuple[Step, bool]]) -> Text:
+def steps_text(steps: list[tuple[Step, bool]], buckets: list[str | None] | None = None) -> Text:
     """One line per distinct step: ``all_gather(b) 2.0 KiB ↔ reduce_scatter``.
 
     Repeated identical steps in one node (a norm's weight and bias) are counted
     (``2×``). Steps free in forward (a split, a gradient-only all-reduce) are
-    dim; the backward is left off where no gradient flows.
+    dim; the backward is left off where no gradient flows. `buckets` names, per
+    step, the bucket whose call runs it, if any: such a step reads ``in bucket``
+    (``all_gather(a) 1.0 KiB in bucket``); its calls are the bucket's, which the
+    calls table names.
     """
-    counts: dict[tuple[Step, bool], int] = {}
-    for step, grad in steps:
-        counts[step, grad] = counts.get((step, grad), 0) + 1
+    counts: dict[tuple[Step, bool, str | None], int] = {}
+    for (step, grad), bucket in zip(steps, buckets or [None] * len(steps)):
+        counts[step, grad, bucket] = counts.get((step, grad, bucket), 0) + 1
     text = Text()
-    for i, ((step, grad), count) in enumerate(counts.items()):
+    for i, ((step, grad, bucket), count) in enumerate(counts.items()):
         if i:
             text.append("\n")
         if count > 1:
@@ -177,11 +180,25 @@ def steps_text(steps: list[tuple[Step, bool]]) -> Text:
         free = step.forward_collective == "none"
         text.append(f"{step.kind}({step.axis}) ", style="dim" if free else "cyan")
         text.append(human_bytes(step.nbytes), style="dim" if free else None)
-        if grad:
+        if bucket:
+            text.append(" in bucket", style="magenta")
+        elif grad:
             back = step.backward_collective != "none"
             text.append(" ↔ ", style="dim")
             text.append(step.backward, style="magenta" if back else "dim")
     return text
+
+
+def node_steps_text(node: NodePlan, in_bucket: dict[tuple[str, int, str], str]) -> Text:
+    """`steps_text` of a node's steps, each run by a bucket named as such (`in_bucket`:
+    (node, input, axis) → the bucket's name)."""
+    buckets = [
+        in_bucket.get((node.name, i, step.axis))
+        for i, steps in enumerate(node.input_steps)
+        for step in steps
+    ]
+    own = len(node.steps_with_grad()) - len(buckets)  # internal and output steps
+    return steps_text(node.steps_with_grad(), buckets + [None] * own)
 
 
 def strategy_text(strategy: Strategy, recomputed: bool = False) -> Text:
@@ -314,6 +331,9 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
             str(layout) if layout is not None else "",
             steps_text([(s, False) for s in steps]),
         )
+    in_bucket = {
+        (name, i, b.axis): b.name for b in (*plan.buckets, *plan.gathers) for name, i in b.serves
+    }
     for node in plan.nodes.values():
         local = node.strategy.stored.local_shape(node.shape, mesh)
         row(
@@ -323,7 +343,7 @@ def _plan_table(plan: Plan, input_shapes: dict[str, tuple[int, ...]], width: int
             strategy_text(node.strategy, node.name in plan.regions),
             f"{shape_text(node.shape)} → {shape_text(local)}",
             str(node.strategy.stored),
-            steps_text(node.steps_with_grad()),
+            node_steps_text(node, in_bucket),
         )
     out_steps = [(s, True) for steps in plan.output_steps for s in steps]
     row(
