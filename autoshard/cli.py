@@ -192,13 +192,13 @@ def steps_text(steps: list[tuple[Step, bool]], buckets: list[str | None] | None 
 def node_steps_text(node: NodePlan, in_bucket: dict[tuple[str, int, str], str]) -> Text:
     """`steps_text` of a node's steps, each run by a bucket named as such (`in_bucket`:
     (node, input, axis) → the bucket's name)."""
+    steps = node.steps_with_grad()  # its inputs' steps first, then its own
     buckets = [
         in_bucket.get((node.name, i, step.axis))
-        for i, steps in enumerate(node.input_steps)
-        for step in steps
+        for i, inputs in enumerate(node.input_steps)
+        for step in inputs
     ]
-    own = len(node.steps_with_grad()) - len(buckets)  # internal and output steps
-    return steps_text(node.steps_with_grad(), buckets + [None] * own)
+    return steps_text(steps, buckets + [None] * (len(steps) - len(buckets)))
 
 
 def strategy_text(strategy: Strategy, recomputed: bool = False) -> Text:

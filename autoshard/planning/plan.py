@@ -118,10 +118,10 @@ class Bucket(Packed):
 class GatherBucket(Packed):
     """Parameters of one unit of the step gathered over `axis` together, as FSDP gathers
     a layer's: each parameter it serves, in graph order, has one step, an all-gather
-    over `axis` that backward reduce-scatters. Before `place`,
-    the unit's first node, the program gathers their shards as one flat buffer (one
-    call of `nbytes`, the gathered size), and once the last of their gradients is
-    ready, backward reduce-scatters them as one. Gathered early and reduced late, they
+    over `axis` that backward reduce-scatters. Before `place`, the unit's first node,
+    the program gathers their shards as one flat buffer (one call of `nbytes`, the
+    gathered size), and once the last of their gradients is ready, backward
+    reduce-scatters them as one. Gathered early and reduced late, they
     are held longer than one at a time: `pending` lists, per node of the program from
     `place` on, the bytes it holds for later readers (their gathered parameters in
     forward, their gradients in backward; at `place` also the flat buffers: the

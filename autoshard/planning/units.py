@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -79,22 +79,22 @@ def units_of(traced: Traced, plan: Plan) -> dict[str, str]:
     return out
 
 
-def outlines(traced: Traced, names: Iterable[str]) -> bool:
-    """Whether a unit's nodes (`names`) can run as one region, replayed in backward: no
-    node between its first and last depends on one of them and feeds another (a block
-    applied twice, `h = h + blk(h)` in a loop: the second application reads what the
-    first made through the residual sum between them)."""
+def outlines(traced: Traced, names: Sequence[str]) -> bool:
+    """Whether a unit's nodes (`names`, in graph order) can run as one region, replayed
+    in backward: no node between its first and last depends on one of them and feeds
+    another (a block applied twice, `h = h + blk(h)` in a loop: the second application
+    reads what the first made through the residual sum between them)."""
     members = set(names)
-    nodes = list(traced.graph_module.graph.nodes)
-    inside = [k for k, node in enumerate(nodes) if node.name in members]
-    after_members: set[str] = set()  # outside nodes in the span that read the unit
-    for node in nodes[inside[0] : inside[-1] + 1]:
+    reading: set[str] = set()  # the nodes between them, not theirs, that read them
+    node, last = traced.nodes[names[0]], traced.nodes[names[-1]]
+    while node is not last:
+        node = node.next
         reads = {a.name for a in node.all_input_nodes}
         if node.name in members:
-            if reads & after_members:
+            if not reads.isdisjoint(reading):
                 return False
-        elif reads & (members | after_members):
-            after_members.add(node.name)
+        elif not reads.isdisjoint(members) or not reads.isdisjoint(reading):
+            reading.add(node.name)
     return True
 
 

@@ -359,8 +359,7 @@ class _GradBucket(torch.autograd.Function):
         start = 0
         for (name, nbytes), piece in zip(calls, pieces):
             if ctx.overlap:
-                work = dist.all_reduce(piece, group=ctx.axis.group, async_op=True)
-                _PENDING.setdefault(_storage(flat), (flat, []))[1].append(work)
+                _pending(flat, dist.all_reduce(piece, group=ctx.axis.group, async_op=True))
             else:
                 _reduce_(piece, ctx.axis)
             if _logging():
@@ -386,6 +385,11 @@ _PENDING: dict[int, tuple[torch.Tensor, list]] = {}
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _pending(buffer: torch.Tensor, work) -> None:
+    """Remember a reduction launched on `buffer`, for `_wait_for` to wait for."""
+    _PENDING.setdefault(_storage(buffer), (buffer, []))[1].append(work)
 
 
 def _wait_for(grads) -> None:
@@ -479,22 +483,20 @@ class _GatherBucket(torch.autograd.Function):
         ctx.axis, ctx.node, ctx.dims = axis, node, dims
         ctx.overlap = overlap and not torch.compiler.is_compiling()
         ctx.shapes = [s.shape for s in shards]
-        # the bytes of the gathered buffer (and of its gradient) each reader's part takes
-        itemsize = shards[0].element_size()
-        ctx.served = _per_node(serves, [s.numel() * axis.size * itemsize for s in shards])
         ctx.dtype, ctx.device = shards[0].dtype, shards[0].device  # of a zero gradient
         ctx.set_materialize_grads(False)
         flat = torch.cat([s.reshape(-1) for s in shards])
         gathered = _gathered(flat, axis).view(axis.size, -1)
+        pieces = gathered.split([s.numel() for s in shards], dim=1)
+        whole = [
+            piece.reshape(axis.size, *shape).movedim(0, dim).flatten(dim, dim + 1).contiguous()
+            for piece, shape, dim in zip(pieces, ctx.shapes, dims)
+        ]
+        # the bytes of the gathered buffer (and of its gradient) each reader's part takes
+        ctx.served = _served(serves, whole, 0, _nbytes(gathered))
         if _logging():
             _record("all_gather", axis, _nbytes(gathered), node, None, ctx.served)
-        pieces = gathered.split([s.numel() for s in shards], dim=1)
-        return tuple(
-            [
-                piece.reshape(axis.size, *shape).movedim(0, dim).flatten(dim, dim + 1).contiguous()
-                for piece, shape, dim in zip(pieces, ctx.shapes, dims)
-            ]
-        )
+        return tuple(whole)
 
     @staticmethod
     def backward(ctx, *given):
@@ -510,8 +512,9 @@ class _GatherBucket(torch.autograd.Function):
         packed = torch.cat(rows, dim=1).reshape(-1)
         if ctx.overlap:  # launched; the parameters' `grad_wait` waits for it
             flat = packed.new_empty(packed.shape[0] // size)
-            work = dist.reduce_scatter_single(flat, packed, group=ctx.axis.group, async_op=True)
-            _PENDING[_storage(flat)] = (flat, [work])
+            _pending(
+                flat, dist.reduce_scatter_single(flat, packed, group=ctx.axis.group, async_op=True)
+            )
         else:
             flat = _scattered(packed, ctx.axis)
         if _logging():
@@ -539,14 +542,6 @@ def gather_bucket(
     backward reduce-scatters their gradients in one. With `overlap` backward launches
     that call and goes on; a `grad_wait` on the shards waits for it."""
     return _GatherBucket.apply(mesh.axes[axis], node, serves, dims, overlap, *shards)
-
-
-def _per_node(serves: tuple[str, ...], nbytes: list[int]) -> tuple[tuple[str, int], ...]:
-    """(node, bytes) of a bucket's parts, summed per node in the order nodes come."""
-    out: dict[str, int] = defaultdict(int)
-    for name, n in zip(serves, nbytes):
-        out[name] += n
-    return tuple(out.items())
 
 
 @torch.no_grad()

@@ -178,7 +178,7 @@ def dropout(
 def on_serial_strides(op: str, *args, strides: tuple, **kwargs):
     """`op` (an ATen random op run replicated, by name) on its tensor arguments laid out
     with the strides they have in the serial program (`strides`, one per tensor
-    argument in order; None: any): it draws its numbers into a tensor like its input
+    argument in order): it draws its numbers into a tensor like its input
     (`empty_like`), in the input's memory order, so a gathered (contiguous) input in
     place of a transposed view would get the serial program's numbers in another
     order."""
@@ -188,7 +188,7 @@ def on_serial_strides(op: str, *args, strides: tuple, **kwargs):
         if not isinstance(a, torch.Tensor):
             return a
         stride = next(order)
-        if stride is None or a.stride() == stride:
+        if a.stride() == stride:
             return a
         return torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
 
