@@ -669,12 +669,21 @@ def node_cost(
     )
 
 
+def returned_bytes(graph: fx.Graph) -> int:
+    """Bytes of the program's outputs, each whole on every rank: what the caller
+    holds while backward runs (`out = model(x)`, then `out.loss.backward()`, with
+    the logits still in `out`)."""
+    outputs = tensor_inputs(graph.output_node())
+    return sum(_numel(value.meta["val"].shape) * _itemsize(value) for value in outputs)
+
+
 def _returning(node: fx.Node, plan: Plan) -> int:
     """Bytes the program holds at once while it gathers its outputs whole, after its
     last node (`comm.all_gather`, step by step: the step's input, the gathered buffer,
     and, gathered along a dim other than 0, that buffer moved back to its dim; the
-    outputs gathered before it), counted with the last node's transients: 0 for any
-    other node."""
+    outputs gathered before it), counted with the last node's transients, less the
+    outputs themselves, which count from there to the end of backward
+    (`returned_bytes`): 0 for any other node."""
     if node.name != next(reversed(plan.nodes)):
         return 0
     high = returned = 0
@@ -684,7 +693,7 @@ def _returning(node: fx.Node, plan: Plan) -> int:
             held = step.nbytes // step.group_size + (2 if step.dim else 1) * step.nbytes
             high = max(high, returned + held)
         returned += gathers[-1].nbytes if gathers else 0
-    return high
+    return high - returned
 
 
 def _alike_key(node, placed: NodePlan, plan: Plan, inputs) -> tuple:

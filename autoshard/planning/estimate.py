@@ -15,7 +15,7 @@ it saves for backward (a recomputed unit only its inputs) from its forward
 until its own backward, so while node k of unit u runs — forward, or backward
 after every later unit has freed its activations — the rank holds
 
-    parameters + Σ kept[v < u] + high[u] − saved[u, > k] + transient[k]
+    parameters + returned + Σ kept[v < u] + high[u] − saved[u, > k] + transient[k]
 
 where high[u] is u's own saved activations (for a recomputed unit, its
 inputs plus everything its replay saves again) and the gradient of its
@@ -23,7 +23,9 @@ inputs; saved[u, > k] what u's nodes after k save, which they have not saved
 yet in forward and have freed in backward before k's backward runs (a replay
 saves all of them before backward starts: the last node's term); and
 transient[k] the buffers k holds only while it runs (gathered operands,
-unreduced results, their gradients). The peak is the largest of these.
+unreduced results, their gradients); returned is the program's outputs, whole,
+which the caller holds through backward (`returned_bytes`; in forward, where they
+are not made yet, an upper bound). The peak is the largest of these.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from autoshard.cost.model import (
     bucket_latency,
     node_costs,
     parameter_bytes,
+    returned_bytes,
     storage_node,
     stored_bytes,
 )
@@ -214,13 +217,14 @@ def estimate(traced: Traced, plan: Plan, hardware: Hardware, optimizer: float = 
         comm[bucket.axis] = comm.get(bucket.axis, 0.0) + latency
     recompute = 0.0
     held = peak = 0
+    returned = returned_bytes(traced.graph_module.graph)
     for names in members.values():
         total = totals(traced, plan, costs, names, optimizer, users, resident)
         recomputed = any(name in plan.regions for name in names)
         recompute += total.forward if recomputed else 0.0
         kept, own, saved_at = own_memory(total, recomputed)
         high = running_high(own, saved_at, total.transients)
-        peak = max(peak, int(whole.params + held + high))
+        peak = max(peak, int(whole.params + returned + held + high))
         held += kept
     hidden = overlapped(plan, costs, hardware)
     return Cost(

@@ -39,15 +39,16 @@ whole step. The integer program HiGHS solves:
                K[u] = K[u−1] + Σ kept·(x, z, s, j)   held from earlier units (s: its last p)
                H[u] = Σ high·(x, z, j, e)            what u holds of its own
                A[u, k] = A[u, k'] + Σ saved_(k, k']·(x, z, j, e)   saved after node k
-               P + K[u−1] + H[u] − A[u, k] + rest_k·(x, z, s, e) ≤ peak ≤ budget
+               P + K[u−1] + H[u] − A[u, k] + rest_k·(x, z, s, e) ≤ peak ≤ budget − R
                                                      for each node k of u
 
 where A[u, k] is what u's nodes after k save (not saved yet in forward, freed
 in backward before k's runs; k' the next node with a row), and rest_k node
 k's transient buffers under the option, knobs and crossings, and what it holds
 of values kept once: exactly `estimate`'s maximum over the nodes, without a
-column for it. A node's row is left out where another node's is at least as
-large in every column (in a transformer block, most of them). Written so, most
+column for it, less R, the program's outputs, which every choice holds alike. A
+node's row is left out where another node's is at least as large in every column
+(in a transformer block, most of them). Written so, most
 columns are in H's row and one A row only, not in every node's (a third of
 the nonzeros in LLaMA-3 70B's peak rows). A value knobs keep once counts from the first
 of them that is on: s[p] ≥ z for each keeper at position p or before, one
@@ -87,6 +88,7 @@ from autoshard.cost.model import (
     bucket_latency,
     may_view,
     node_cost,
+    returned_bytes,
     storage_chain,
     storage_node,
     stored_bytes,
@@ -273,6 +275,7 @@ class Problem:
     bucket_latency: dict[tuple[str, str], float] = field(default_factory=dict)
     # the loss an option with chunks runs in pieces, by (unit, variant, chunks)
     chunked: dict[tuple[str, Variant, int], ChunkedLoss] = field(default_factory=dict)
+    returned: float = 0.0  # bytes of the outputs, held through backward (`returned_bytes`)
 
     def restricted(self, families: tuple[str, ...]) -> Problem:
         """This problem with only the options of `families`: what `build_problem`
@@ -337,7 +340,7 @@ class Problem:
                     bucketed[key] += nbytes
         for key, nbytes in sorted(bucketed.items()):
             time += self.bucket_latency[key] * bucket_calls(nbytes)
-        return time, params + max(highs)
+        return time, params + self.returned + max(highs)
 
 
 @paused_gc
@@ -386,6 +389,7 @@ def build_problem(
         v: kept_resident(traced, plan, unit, all_costs[v], block_parts) for v, plan in plans.items()
     }
     problem = Problem(units, {}, {}, {}, {}, {}, {}, {}, plans, unit, resident)
+    problem.returned = returned_bytes(traced.graph_module.graph)
     known: dict[tuple, _UnitCost] = {}
     replayable = {
         u
@@ -942,13 +946,15 @@ def _crossing(crossed: Totals, alone: Totals, transient, checkpoint: bool) -> Cr
     return Crossing(_difference(alone, crossed, checkpoint), transient)
 
 
-GAP = 5e-3
+GAP = 1e-2
 """HiGHS stops once its choice is proven within this fraction of the best (its step
 time, or its peak for `smallest_peak`). The cost model is not that close to a real
 step, while proving the last tenths of a percent among the near-identical choices of
-many identical blocks can take minutes or stall (LLaMA-3 70B on 8×8×8 with 1M tokens
-at 80 GiB, over Megatron, data parallel and the 3D families: 12.7 s at 5e-3; at 1e-3
-still 0.125 % away after 300 s)."""
+many identical blocks can take minutes or stall: LLaMA-3 70B on 8×8×8 with 1M tokens
+at 80 GiB, over Megatron, data parallel and the 3D families, took 12.7 s at 5e-3 and
+was still 0.125 % away after 300 s at 1e-3; LLaMA-3 405B with 4M tokens of 8192 on
+8×8×16 has its choice 0.72 % from the bound after 34 s, which at 5e-3 HiGHS spent
+another 16 minutes, at its root node and then its `NODE_LIMIT`, failing to prove."""
 
 NODE_LIMIT = 1000
 """Branch-and-bound nodes HiGHS may explore before it returns the best choice found
@@ -1056,7 +1062,7 @@ def _highs(program: IntegerProgram, options: dict):
             constraints=LinearConstraint(program.matrix.tocsr(), program.lower, program.upper),
             integrality=program.integrality,
             bounds=program.bounds,
-            options=options,
+            options=dict(options),  # scipy pops "node_limit" from the dict it is given
         )
 
 
@@ -1240,7 +1246,7 @@ def integer_program(
     free = [i for key, i in columns.items() if key[0] in ("K", "H", "A")]
     lower_bounds[free + [params]] = -np.inf
     if budget is not None:
-        upper_bounds[peak] = budget / _MIB
+        upper_bounds[peak] = (budget - problem.returned) / _MIB  # the outputs: a constant
     if minimize_memory:
         objective = np.zeros(n)
         objective[peak] = 1.0
