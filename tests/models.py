@@ -300,6 +300,31 @@ def returns_its_weight():
     return ReturnsItsWeight(), (torch.randn(4, 8, 16),)
 
 
+class ReturnsWhatNothingReads(nn.Module):
+    """Returns, beside its output, a buffer and a parameter no op of it reads."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.proj = nn.Linear(hidden, hidden)
+        self.register_buffer("steps", torch.arange(4.0))
+        self.scale = nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):
+        return self.proj(x), self.steps, self.scale
+
+
+def returns_what_nothing_reads():
+    return ReturnsWhatNothingReads(), (torch.randn(4, 8, 16),)
+
+
+def offset_norm_in_float64():
+    """`offset_norm` built in float64: its serial program is its own reference. Its
+    statistics, combined over ranks, and its contractions sum in another order: a few
+    ulps off, which the norm's features far from zero amplify."""
+    model, (x,) = offset_norm()
+    return model.double(), (x.detach().double().requires_grad_(x.requires_grad),)
+
+
 class ScaledByAScalar(nn.Module):
     """A 0-d input (a temperature) that scales a layer's output."""
 

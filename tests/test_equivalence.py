@@ -48,6 +48,20 @@ def test_an_output_that_is_a_parameter_is_compared_as_forward_returned_it():
     assert {m.name for m in report if m.what == "output"} == {"0", "1"}
 
 
+def test_a_parameter_and_a_buffer_only_returned_are_returned_whole():
+    report = assert_equivalent(f"{MODELS}:returns_what_nothing_reads", (2, 2, 2))
+    assert {m.name for m in report if m.what == "output"} == {"0", "1", "2"}
+
+
+@pytest.mark.parametrize("strategy", ["3d", "megatron"])
+def test_a_float64_model_is_compared_with_its_serial_program(strategy):
+    # against itself as reference, only a rounding floor was left: 120 comparisons
+    # failed, the worst 2.3e-12 off values near 1
+    report = assert_equivalent(f"{MODELS}:offset_norm_in_float64", (2, 2, 2), strategy=strategy)
+    assert all(math.isnan(m.serial_error) for m in report if m.eps)  # it is the reference
+    assert 0 < max(m.max_abs for m in report) < 1e-10
+
+
 def test_a_model_casting_to_float32_in_forward_has_a_float64_reference():
     report = assert_equivalent(f"{MODELS}:casts_in_forward", (2, 2, 2), strategy="3d")
     assert all(not math.isnan(m.serial_error) for m in report)
