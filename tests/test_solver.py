@@ -391,6 +391,21 @@ def test_a_block_applied_twice_under_the_smallest_budget_matches_serial():
     assert_equivalent(spec, MESH, plan=plan)
 
 
+def test_a_block_splitting_a_projection_is_recomputed_under_the_smallest_budget():
+    # GPT-2 splits one q/k/v product into three (`split`, then a getitem per part): the
+    # getitems, a member's parts, were taken for readers outside the block, so no block
+    # was replayable and GPT-3 175B's smallest budget on 16×16×16 was 128 GiB, not 5.
+    spec = f"{ROOT}/tests/hf_zoo.py:gpt2"
+    model, inputs = load_factory(spec)()
+    traced = trace(model, inputs)
+    problem = build_problem(
+        traced, Mesh.from_shape(MESH), Hardware.load("nvlink-8"), SPACES["3d"], 2.0
+    )
+    plan = autoshard.plan(model, MESH, inputs, memory_budget=smallest_peak(problem))
+    assert {plan.regions[n] for n in plan.regions} >= {"model.transformer.h.0"}
+    assert_equivalent(spec, MESH, plan=plan)
+
+
 @pytest.mark.parametrize("hardware", ["nvlink-8", "ib-cluster"])
 @pytest.mark.parametrize("spec", [GPT, LLAMA], ids=["gpt", "llama"])
 def test_the_returned_plan_is_the_plan_priced(spec, hardware):

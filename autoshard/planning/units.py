@@ -18,6 +18,7 @@ memory is tracked unit by unit: what each keeps until its backward runs.
 from __future__ import annotations
 
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -90,6 +91,8 @@ def outlines(traced: Traced, names: Sequence[str]) -> bool:
     while node is not last:
         node = node.next
         reads = {a.name for a in node.all_input_nodes}
+        if node.target is operator.getitem and node.args[0].name in members:
+            members.add(node.name)
         if node.name in members:
             if not reads.isdisjoint(reading):
                 return False
