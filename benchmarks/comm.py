@@ -5,8 +5,13 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --repeats 3 --steps 5
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --compile --models gpt
 
-- "autoshard": `autoshard.parallelize(model, mesh, inputs, strategy="3d")` on 2×2×2.
-- "hand-written 3D": that very program with every collective call of the emitted code
+- "autoshard 3d": `autoshard.parallelize(model, mesh, inputs, strategy="3d")` on
+  2×2×2: the paper's 3D linear, every activation and weight split over the three
+  axes, all-gathers and reduce-scatters.
+- "autoshard 3d-allreduce": the same with `strategy="3d-allreduce"`: weights split over
+  two axes and kept whole over the third (data parallel there), each linear's partial
+  sums all-reduced: fewer, larger calls.
+- "hand-written …": that very program with every collective call of the emitted code
   (all-gathers, reduce-scatters, all-reduces, splits, gradient buckets) replaced by a
   bare autograd pair around the c10d call, its process group resolved once (a gather
   bucket runs autoshard's packing, called straight on its group): the
@@ -18,15 +23,15 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 - "autoshard Megatron": `autoshard.parallelize(..., strategy="megatron")` on the same
   flat mesh of 8 (MLP stack only): DTensor's layout planned and emitted by autoshard,
   so that the two runtimes' overheads compare like for like.
-- "torch.compile" (`--compile`): `torch.compile(parallel)` with inductor, compiled
-  before the timing starts; forward+backward only (a forward under no_grad would
-  compile a second program).
+- "torch.compile" (`--compile`): `torch.compile` of the "3d" program with inductor,
+  compiled before the timing starts; forward+backward only (a forward under no_grad
+  would compile a second program).
 
 The variants run alternating, `--repeats` times, `--steps` steps each; a ratio is
 taken per repeat on rank 0's process CPU time (gloo ranks on shared cores make
 wall time noise), and the table shows the minimum and the median. It also prints
-the collective calls per step, from autoshard's comm log, with and without shared
-conversions, gradient buckets and gather buckets.
+the collective calls per step of each autoshard program, from its comm log, and of
+the "3d" program without shared conversions, gradient buckets and gather buckets.
 """
 
 from __future__ import annotations
@@ -60,11 +65,14 @@ MODELS = {
     "GPT example": (f"{ROOT}/examples/gpt.py:gpt", {}),
 }
 # (numerator, denominator) of each ratio printed
+STRATEGIES = ("3d", "3d-allreduce")  # autoshard's programs on 2×2×2
 COMPARED = (
-    ("autoshard", "hand-written 3D"),
-    ("autoshard", "DTensor TP"),
+    ("autoshard 3d", "hand-written 3d"),
+    ("autoshard 3d-allreduce", "hand-written 3d-allreduce"),
+    ("autoshard 3d", "DTensor TP"),
+    ("autoshard 3d-allreduce", "DTensor TP"),
     ("autoshard Megatron", "DTensor TP"),
-    ("autoshard", "torch.compile"),
+    ("autoshard 3d", "torch.compile"),
 )
 COMPILE_TIMEOUT_S = 1800  # 8 inductor compiles at once on a small machine
 
@@ -211,27 +219,28 @@ def _calls(parallel, inputs) -> int:
 def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
     torch.manual_seed(0)
     model, inputs = load_factory(spec)(**sizes)
-    parallel = autoshard.parallelize(model, device_mesh, inputs, strategy="3d")
-    calls = _calls(parallel, inputs)
-    plain = dataclasses.replace(parallel.plan, shared=(), buckets=(), gathers=())
+    variants, calls = {}, {}
+    for strategy in STRATEGIES:
+        parallel = autoshard.parallelize(model, device_mesh, inputs, strategy=strategy)
+        bare = hand_written(parallel)
+        variants[f"autoshard {strategy}"] = parallel
+        variants[f"hand-written {strategy}"] = lambda *xs, bare=bare: bare(*xs)[0]
+        calls[strategy] = _calls(parallel, inputs)
+    three_d = variants["autoshard 3d"]
+    plain = dataclasses.replace(three_d.plan, shared=(), buckets=(), gathers=())
     unshared = autoshard.parallelize(model, device_mesh, inputs, plan=plain)
-    calls_unshared = _calls(unshared, inputs)
-    bare = hand_written(parallel)
-    variants = {
-        "autoshard": lambda *xs: parallel(*xs),
-        "hand-written 3D": lambda *xs: bare(*xs)[0],
-    }
+    calls["3d without shared conversions and buckets"] = _calls(unshared, inputs)
     if "mlp" in spec:
         tp_model, _ = load_factory(spec)(**sizes)
         tp_model.load_state_dict(model.state_dict())
-        tp = dtensor_tp(tp_model, device_mesh)
-        variants["DTensor TP"] = lambda *xs: tp(*xs)
+        variants["DTensor TP"] = dtensor_tp(tp_model, device_mesh)
         # the same layout as DTensor's, planned by autoshard: overhead like for like
         flat = init_device_mesh("cpu", (device_mesh.size(),), mesh_dim_names=("a",))
         megatron = autoshard.parallelize(model, flat, inputs, strategy="megatron")
-        variants["autoshard Megatron"] = lambda *xs: megatron(*xs)
+        variants["autoshard Megatron"] = megatron
+        calls["Megatron"] = _calls(megatron, inputs)
     if compiled:
-        variants["torch.compile"] = torch.compile(parallel)
+        variants["torch.compile"] = torch.compile(three_d)
         _cpu(variants["torch.compile"], inputs, 2, True)  # compiles
     times: dict[str, dict[str, list[float]]] = {"forward": {}, "forward+backward": {}}
     for _ in range(repeats):
@@ -241,7 +250,7 @@ def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
                     continue
                 seconds = _cpu(run, inputs, steps, backward)
                 times[phase].setdefault(name, []).append(seconds)
-    return times, calls, calls_unshared
+    return times, calls
 
 
 def main() -> None:
@@ -255,22 +264,22 @@ def main() -> None:
     for title, (spec, sizes) in MODELS.items():
         if args.models != "all" and not spec.endswith(f":{args.models}"):
             continue
-        times, calls, before = pool.run(
+        times, calls = pool.run(
             _bench, (2, 2, 2), spec, sizes, args.repeats, args.steps, args.compile
         )[0]
-        print(f"\n{title}: {calls} collective calls per step ({before} without shared")
-        print("conversions and buckets); CPU time per step on rank 0:")
+        print(f"\n{title}: collective calls per step", end="")
+        print("".join(f"; {program} {n}" for program, n in calls.items()))
+        print("CPU time per step on rank 0:")
         for phase, by_variant in times.items():
-            own = statistics.median(by_variant["autoshard"])
-            print(f"  {phase:17} autoshard {own * 1e3:8.2f} ms")
             for mine, theirs in COMPARED:
                 if mine not in by_variant or theirs not in by_variant:
                     continue
                 ratios = [a / b for a, b in zip(by_variant[mine], by_variant[theirs])]
                 print(
-                    f"  {phase:17} {mine} / {theirs:16} min {min(ratios):.3f}  "
+                    f"  {phase:17} {mine:22} / {theirs:25} min {min(ratios):.3f}  "
                     f"median {statistics.median(ratios):.3f}  "
-                    f"({theirs} {statistics.median(by_variant[theirs]) * 1e3:.2f} ms)"
+                    f"({statistics.median(by_variant[mine]) * 1e3:.1f} / "
+                    f"{statistics.median(by_variant[theirs]) * 1e3:.1f} ms)"
                 )
 
 
