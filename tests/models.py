@@ -317,6 +317,23 @@ def returns_what_nothing_reads():
     return ReturnsWhatNothingReads(), (torch.randn(4, 8, 16),)
 
 
+def upcasts_its_output():
+    """An fp32 model returning its output in float64: still measured against a
+    float64 reference, its fp32 rounding and all."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    return UpcastsItsOutput(model), (torch.randn(8, 16),)
+
+
+class UpcastsItsOutput(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).double()
+
+
 def offset_norm_in_float64():
     """`offset_norm` built in float64: its serial program is its own reference. Its
     statistics, combined over ranks, and its contractions sum in another order: a few

@@ -62,6 +62,11 @@ def test_a_float64_model_is_compared_with_its_serial_program(strategy):
     assert 0 < max(m.max_abs for m in report) < 1e-10
 
 
+def test_an_fp32_model_returning_float64_keeps_its_float64_reference():
+    report = assert_equivalent(f"{MODELS}:upcasts_its_output", (2, 2, 2), strategy="3d")
+    assert all(not math.isnan(m.serial_error) for m in report)
+
+
 def test_a_model_casting_to_float32_in_forward_has_a_float64_reference():
     report = assert_equivalent(f"{MODELS}:casts_in_forward", (2, 2, 2), strategy="3d")
     assert all(not math.isnan(m.serial_error) for m in report)

@@ -672,8 +672,9 @@ def node_cost(
 def returned_bytes(graph: fx.Graph) -> int:
     """Bytes of the program's outputs, each whole on every rank: what the caller
     holds while backward runs (`out = model(x)`, then `out.loss.backward()`, with
-    the logits still in `out`). A parameter or buffer returned counts as a parameter."""
-    outputs = [v for v in tensor_inputs(graph.output_node()) if v.op != "get_attr"]
+    the logits still in `out`): a parameter too, whole, gathered if it is stored split
+    (a constant for the solver: once too many where it is stored whole)."""
+    outputs = tensor_inputs(graph.output_node())
     return sum(_numel(_first_value(value).shape) * _itemsize(value) for value in outputs)
 
 

@@ -336,7 +336,7 @@ def _planned(traced, mesh, strategy, order, knobs, fixed, inputs, fallback, *, s
                 break
         elif node.op == "output":
             for v in tensor_inputs(node):
-                if v not in stored:  # a parameter or buffer only returned: stored whole
+                if v not in stored and v.op == "get_attr":  # only returned: stored whole
                     stored[v] = storage[v.target] = Layout.replicated(len(_shape(v)))
             output_steps = tuple(
                 tuple(

@@ -23,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
+from torch import fx
 
 from autoshard.cost.model import storage_of, views_input, views_of
 from autoshard.planning.plan import Plan
@@ -91,7 +92,8 @@ def outlines(traced: Traced, names: Sequence[str]) -> bool:
     while node is not last:
         node = node.next
         reads = {a.name for a in node.all_input_nodes}
-        if node.target is operator.getitem and node.args[0].name in members:
+        parent = node.args[0] if node.target is operator.getitem else None
+        if isinstance(parent, fx.Node) and parent.name in members:
             members.add(node.name)
         if node.name in members:
             if not reads.isdisjoint(reading):
