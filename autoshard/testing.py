@@ -283,35 +283,29 @@ def _serial_runs(model, inputs, steps: int, lr: float, torch_optimizer):
 
 
 def _compared(parallel, serial, exact, steps: int) -> list[Mismatch]:
-    """One rank's (steps, state) against the serial program's and the float64 copy's
-    (None for a float64 model: the serial program is its own reference)."""
+    """One rank's (steps, state) against the serial program's and the float64 copy's."""
     found: list[Mismatch] = []
-    references = exact[0] if exact is not None else [None] * len(serial[0])
-    for step, (got, want, ref) in enumerate(zip(parallel[0], serial[0], references)):
+    for step, (got, want, ref) in enumerate(zip(parallel[0], serial[0], exact[0])):
         if len(got.outputs) != len(want.outputs):
             count = f"count (parallel {len(got.outputs)}, serial {len(want.outputs)})"
             found.append(Mismatch("output", count, step, math.inf, 1.0, error=math.inf))
-        ref_outputs = ref.outputs if ref else [None] * len(want.outputs)
-        for i, (g, w, e) in enumerate(zip(got.outputs, want.outputs, ref_outputs)):
+        for i, (g, w, e) in enumerate(zip(got.outputs, want.outputs, ref.outputs)):
             found.append(_compare("output", str(i), step, g, w, e))
         for name, w in want.grads.items():
-            e = ref.grads[name] if ref else None
-            found.append(_compare("grad", name, step, got.grads.get(name), w, e))
-        ref_inputs = ref.input_grads if ref else [None] * len(want.input_grads)
-        for i, (g, w, e) in enumerate(zip(got.input_grads, want.input_grads, ref_inputs)):
+            found.append(_compare("grad", name, step, got.grads.get(name), w, ref.grads[name]))
+        for i, (g, w, e) in enumerate(zip(got.input_grads, want.input_grads, ref.input_grads)):
             if w is not None:
                 found.append(_compare("grad", f"input {i}", step, g, w, e))
-    full, state = parallel[1], serial[1]
-    exact_state = exact[1] if exact is not None else {}
+    full, state, exact_state = parallel[1], serial[1], exact[1]
     for name, tensor in state.items():
-        found.append(_compare("param", name, steps, full.get(name), tensor, exact_state.get(name)))
+        found.append(_compare("param", name, steps, full.get(name), tensor, exact_state[name]))
     return found
 
 
 def _in_float64(model: torch.nn.Module, inputs: tuple) -> bool:
     """Whether every floating parameter, buffer and input is float64 (there is one)."""
-    floating = [t for t in (*model.parameters(), *model.buffers(), *inputs)]
-    floating = [t for t in floating if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    tensors = (*model.parameters(), *model.buffers(), *inputs)
+    floating = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return bool(floating) and all(t.dtype == torch.float64 for t in floating)
 
 
@@ -343,15 +337,17 @@ def equivalence_report(
         _parallel_job, tuple(mesh_shape), factory, compiled, steps, lr, torch_optimizer
     )
     serial, exact = _serial_runs(model, inputs, steps, lr, torch_optimizer)
-    if _in_float64(model, inputs):  # its own reference: no error of its own to scale
-        exact = None
+    # a float64 model is its own reference: no error of its own to scale, held to rtol
+    unreferenced = dict(error=math.nan, serial_error=math.nan) if _in_float64(model, inputs) else {}
     # a bf16 model's fp32 loss carries bf16 rounding: the floor is in the coarser epsilon
     coarsest = max(
         (torch.finfo(p.dtype).eps for p in model.parameters() if p.is_floating_point()),
         default=0.0,
     )
     return [
-        dataclasses.replace(m, rank=rank, eps=max(m.eps, coarsest) if m.eps else 0.0)
+        dataclasses.replace(
+            m, rank=rank, eps=max(m.eps, coarsest) if m.eps else 0.0, **unreferenced
+        )
         for rank, parallel in enumerate(per_rank)
         for m in _compared(parallel, serial, exact, steps)
     ]
@@ -405,8 +401,8 @@ def assert_equivalent(
     arithmetic (a key bias's gradient under softmax): rounding noise, of either
     size. A parallel program returning more or fewer outputs fails.
 
-    `rtol` applies only to a tensor with no float64 reference (one the serial
-    program itself computes in float64, or an integer one): it fails when its
+    `rtol` applies only to a tensor with no float64 reference (an integer one, or
+    any of a model built in float64, its own reference): it fails when its
     error against the serial program exceeds `rtol` times its largest value,
     plus the floor and `atol`.
 
