@@ -587,6 +587,35 @@ def test_a_problem_restricted_to_one_family_is_that_family_built_alone():
         alone.restricted(("3d",))
 
 
+def test_the_solved_plan_is_never_slower_than_the_plans_users_write_by_hand(monkeypatch):
+    """HiGHS stops once its choice is proven within `solver.GAP` of the fastest, so on
+    its own it may return a plan up to that much slower than Megatron-LM's or data
+    parallel's best: `solve` solves those alone first and starts HiGHS from the
+    faster, whose own choice is then no slower. Here any gap is accepted."""
+    monkeypatch.setattr(solver, "GAP", 1.0)
+    problem = _problem(GPT, families=SPACES["all"])
+    by_hand = {
+        family: solve_priced(problem.restricted((family,)), None) for family in ("megatron", "dp")
+    }
+    fastest = min(by_hand.values(), key=lambda pair: pair[1])
+    starts = []
+    highs = solver._highs
+
+    def spied(program, options, start):
+        starts.append((program, start))
+        return highs(program, options, start)
+
+    monkeypatch.setattr(solver, "_highs", spied)
+    choice, seconds = solve_priced(problem, None)
+    assert seconds <= fastest[1] * (1 + 1e-12)
+    assert seconds == pytest.approx(problem.evaluate(choice)[0], rel=1e-12)
+    program, start = starts[-1]  # the last program HiGHS solved is the whole problem's
+    chosen = {key[1:] for key, c in program.columns.items() if key[0] in "xz" and start[c] == 1}
+    given = {(u, o.base) for u, o in fastest[0].items()}
+    given |= {(u, o.base, k) for u, o in fastest[0].items() for k in o.knobs}
+    assert chosen == given
+
+
 NORMED = f"{ROOT}/tests/models.py:normed_blocks"
 
 
