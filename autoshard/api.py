@@ -170,6 +170,16 @@ class Compiled:
                     "same model (class, configuration and dtype) as the one you pass"
                 )
             found[fqn] = tensor
+        unknown = sorted(fqn for fqn, t in self.constants.items() if t.is_meta)
+        if unknown:
+            raise InputError(
+                f"forward makes a tensor from Python data (torch.tensor of a list, or an "
+                f"array; {self.program.read_at(unknown[0])}), traced on the meta device: "
+                "the program keeps it as a constant "
+                f"({unknown[0]!r}) and has no values for it. Make it with a factory "
+                "(torch.full, torch.arange, torch.zeros) or from the inputs, or compile "
+                "from the model built on a real device"
+            )
         return {**found, **self.constants}
 
 
@@ -507,6 +517,12 @@ class ParallelModule(torch.nn.Module):
             full = comm.gather_full_many(shards, self._mesh)
         if not keep:
             return {}
+        # a tensor no axis splits comes back as the live one: copied, every tensor returned
+        # is a snapshot alike, which a later optimizer step changes none of
+        full = {
+            fqn: whole.detach().clone() if whole is tensors[fqn] else whole
+            for fqn, whole in full.items()
+        }
         return {name: full.get(fqn) for fqn in tensors for name in self._aliases.get(fqn, (fqn,))}
 
     def init_weights(self, seed: int | None = None) -> None:
@@ -516,7 +532,8 @@ class ParallelModule(torch.nn.Module):
         initialize.init_weights(self, seed)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer at its original shape and name (a collective).
+        """Every parameter and buffer at its original shape and name (a collective), as
+        copies: a snapshot, which training on does not change.
 
         With `rank0_only`, the tensors are gathered one at a time and kept, on the
         CPU, by rank 0 alone (the others get an empty dict): no rank ever holds

@@ -266,10 +266,15 @@ def save_hf(module: torch.nn.Module, directory, prefix: str = "", max_shard_byte
 
     for fqn, local in _local_tensors(module).items():
         full = _gathered(module, fqn, local)
-        for alias in _aliases(module, fqn):
-            if writer and alias.startswith(prefix):
-                shard[alias[len(prefix) :]] = full.contiguous()
-                total += full.numel() * full.element_size()
+        names = [
+            alias[len(prefix) :] for alias in _aliases(module, fqn) if alias.startswith(prefix)
+        ]
+        if writer and names:
+            # tied names (an lm-head and its embedding) hold one tensor: written once,
+            # under the model's first name for it, as save_pretrained writes it and
+            # from_pretrained ties it again (safetensors refuses a tensor twice)
+            shard[names[0]] = full.contiguous()
+            total += full.numel() * full.element_size()
         if writer and sum(t.numel() * t.element_size() for t in shard.values()) >= max_shard_bytes:
             flush()
     if not writer:

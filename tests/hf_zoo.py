@@ -289,6 +289,24 @@ def gpt_neox():
     return causal_lm(hf.GPTNeoXForCausalLM, config)
 
 
+def gpt_neo():
+    # makes its attention's mask value in forward, as a tensor of one number
+    config = hf.GPTNeoConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        attention_types=[[["global", "local"], 1]],
+        window_size=4,
+        max_position_embeddings=32,
+        embed_dropout=0.0,
+        attention_dropout=0.0,
+        resid_dropout=0.0,
+        **{k: DECODER[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id", "use_cache")},
+    )
+    return causal_lm(hf.GPTNeoForCausalLM, config)
+
+
 def gptj():
     config = hf.GPTJConfig(
         vocab_size=VOCAB,
@@ -652,8 +670,8 @@ ZOO = {
     "encoder": ["bert", "roberta", "distilbert", "albert", "electra", "deberta_v2", "modernbert",
                 "roformer", "convbert", "squeezebert", "luke", "megatron_bert", "bigbird"],
     "decoder": ["gpt2", "llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2",
-                "opt", "gpt_neox", "gptj", "falcon", "bloom", "stablelm", "olmo", "starcoder2",
-                "biogpt", "granite", "smollm3", "glm4", "helium", "ernie4_5"],
+                "opt", "gpt_neox", "gpt_neo", "gptj", "falcon", "bloom", "stablelm", "olmo",
+                "starcoder2", "biogpt", "granite", "smollm3", "glm4", "helium", "ernie4_5"],
     "encoder-decoder": ["t5", "bart", "pegasus", "marian"],
     "vision": ["vit", "deit", "dinov2", "swin", "convnext", "resnet", "efficientnet", "poolformer",
                "regnet"],

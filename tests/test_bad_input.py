@@ -185,6 +185,40 @@ def test_truncated_json_is_a_plan_error(tmp_path):
         Plan.load(tmp_path / "missing.json")
 
 
+class MakesTensorsInForward(nn.Module):
+    """Makes a tensor of a number and one of a list from Python data in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.fc(x)
+        floor = torch.tensor(-3.0, device=y.device)
+        scale = torch.tensor([0.5, 2.0], device=y.device).repeat(8)
+        return torch.where(y > 0, y, floor) * scale
+
+
+def test_a_tensor_made_from_a_list_in_forward_on_meta_is_refused():
+    # traced on meta, it would be a constant of the program with no values: every
+    # rank would compute with whatever its memory held. A tensor of one number is
+    # traced as the op that makes it, and is no constant.
+    with torch.device("meta"):
+        model = MakesTensorsInForward()
+    compiled = autoshard.compile(model, MESH, (torch.empty(8, 16, device="meta"),), strategy="3d")
+    assert [t.tolist() for t in compiled.constants.values() if not t.is_meta] == []
+    assert len(compiled.constants) == 1  # the list's tensor; the number's is an op
+    with pytest.raises(
+        autoshard.InputError,
+        match=r"Python data .*line \d+, in forward scale = torch.tensor\(\[0.5.*torch.full",
+    ):
+        compiled.parameters(model)
+    real = MakesTensorsInForward()  # built on the CPU, the constant has its values
+    compiled = autoshard.compile(real, MESH, (torch.randn(8, 16),), strategy="3d")
+    assert [t.tolist() for t in compiled.constants.values()] == [[0.5, 2.0]]
+    assert compiled.parameters(real)
+
+
 def test_a_plan_from_an_older_autoshard_is_refused():
     data = _saved()
     del data["version"]

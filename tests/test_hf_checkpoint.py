@@ -4,33 +4,33 @@ writes back what ``from_pretrained`` reads."""
 
 import pytest
 import torch
-from hf_zoo import llama
+from hf_zoo import gpt_neo, llama
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaForCausalLM
 
 import autoshard
 
 
-def _serial():
+def _serial(factory=llama):
     torch.manual_seed(0)
-    return llama()
+    return factory()
 
 
-def _meta_llama():
+def _meta(factory=llama):
     with torch.device("meta"):
-        model, _ = llama()
+        model, _ = factory()
     return model
 
 
-def _compiled(mesh_shape, inputs, **planning) -> autoshard.Compiled:
+def _compiled(mesh_shape, inputs, factory=llama, **planning) -> autoshard.Compiled:
     """The meta-built model compiled here, once, for every rank."""
     meta_inputs = tuple(t.to("meta") for t in inputs)
-    return autoshard.compile(_meta_llama(), mesh_shape, meta_inputs, **planning)
+    return autoshard.compile(_meta(factory), mesh_shape, meta_inputs, **planning)
 
 
-def _meta_loaded(mesh, directory, inputs, out_dir, compiled):
+def _meta_loaded(mesh, directory, inputs, out_dir, compiled, factory=llama):
     """Loss, gradients and the parameters' devices of a meta-built model after load_hf."""
-    parallel = autoshard.parallelize(_meta_llama(), mesh, inputs, compiled=compiled)
+    parallel = autoshard.parallelize(_meta(factory), mesh, inputs, compiled=compiled)
     autoshard.checkpoint.load_hf(parallel, directory, prefix="model.")
     (loss,) = parallel(*inputs)
     loss.backward()
@@ -40,17 +40,23 @@ def _meta_loaded(mesh, directory, inputs, out_dir, compiled):
     return loss.item(), grads, devices
 
 
-@pytest.mark.parametrize("shard_size", [None, "20KB"], ids=["one file", "sharded"])
-def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size):
-    serial, inputs = _serial()
+@pytest.mark.parametrize(
+    "factory, shard_size",
+    [(llama, None), (llama, "20KB"), (gpt_neo, "20KB")],
+    ids=["one file", "sharded", "GPT-Neo"],  # GPT-Neo makes a tensor of a number in forward
+)
+def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, factory, shard_size):
+    serial, inputs = _serial(factory)
     directory = tmp_path / "hf"
     options = {"max_shard_size": shard_size} if shard_size else {}
     serial.model.save_pretrained(directory, **options)
     (want,) = serial(*inputs)
     want.backward()
     out_dir = tmp_path / "back"
-    compiled = _compiled((2, 2, 2), inputs, strategy="3d")
-    results = rank_pool.run(_meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir), compiled)
+    compiled = _compiled((2, 2, 2), inputs, factory, strategy="3d")
+    results = rank_pool.run(
+        _meta_loaded, (2, 2, 2), str(directory), inputs, str(out_dir), compiled, factory
+    )
     for rank, (loss, grads, devices) in enumerate(results):
         assert devices == {"cpu"}, rank
         assert abs(loss - want.item()) <= 1e-5 * abs(want.item()), (rank, loss, want.item())
@@ -58,7 +64,7 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, shard_size
             err = (grads[name] - param.grad).abs().max().item()
             assert err <= 1e-5 * param.grad.abs().max().item(), (rank, name, err)
     # what save_hf wrote loads with from_pretrained and gives the same loss
-    reloaded = LlamaForCausalLM.from_pretrained(out_dir)
+    reloaded = type(serial.model).from_pretrained(out_dir)
     again = reloaded(input_ids=inputs[0], labels=inputs[1], use_cache=False).loss
     assert abs(again.item() - want.item()) <= 1e-6 * abs(want.item())
     assert len(list(out_dir.glob("model-*.safetensors"))) > 1  # written in shards
@@ -95,7 +101,7 @@ def _train(module, optimizer, inputs, steps: int) -> None:
 
 def _meta_model(mesh, inputs, compiled):
     meta_inputs = tuple(t.to("meta") for t in inputs)
-    return autoshard.parallelize(_meta_llama(), mesh, meta_inputs, compiled=compiled)
+    return autoshard.parallelize(_meta(), mesh, meta_inputs, compiled=compiled)
 
 
 def _lifecycle(mesh, inputs, path, hf_dir, first, second):

@@ -45,8 +45,10 @@ def _train_both(mesh, factory, compiled, optimizer, norm_type, steps=3):
     """Train the serial model in fp32 and in fp64 and the parallel program side by side.
 
     Returns per step the serial and the parallel gradient norm, per parameter at the
-    end (parallel error, serial fp32 error) against the fp64 run, and whether rank 0's
-    CPU export equals the gathered model (None on the other ranks, which get nothing).
+    end (parallel error, serial fp32 error) against the fp64 run, whether the full
+    state dict taken before training is unchanged by it (a snapshot), and whether
+    rank 0's CPU export equals the gathered model (None on the other ranks, which get
+    nothing).
     Adam divides by the gradient's own magnitude, so an element whose gradient is zero
     in exact arithmetic moves by rounding noise: errors are judged against what fp32
     rounding does to the serial program itself."""
@@ -59,6 +61,8 @@ def _train_both(mesh, factory, compiled, optimizer, norm_type, steps=3):
     runs = [(serial, inputs), (exact, exact_inputs), (parallel, inputs)]
     opts = [OPTIMIZERS[optimizer](module.parameters()) for module, _ in runs]
     norms = []
+    before = parallel.full_state_dict()
+    kept = {n: t.clone() for n, t in before.items()}
     for step in range(steps):
         for module, args in runs:
             torch.manual_seed(100 + step)
@@ -82,13 +86,14 @@ def _train_both(mesh, factory, compiled, optimizer, norm_type, steps=3):
         )
         for n, t in exact.state_dict().items()
     }
+    snapshot = all(torch.equal(before[n], kept[n]) for n in kept)
     exported = parallel.full_state_dict(rank0_only=True)
     if not exported:
-        return norms, errors, None
+        return norms, errors, snapshot, None
     same = set(exported) == set(full) and all(
         exported[n].device.type == "cpu" and torch.equal(exported[n], full[n].cpu()) for n in full
     )
-    return norms, errors, same
+    return norms, errors, snapshot, same
 
 
 def _all_cases(mesh, cases):
@@ -99,7 +104,8 @@ def test_optimizers_and_clipping_match_serial(rank_pool):
     cases = [(factory, _compiled(factory, strategy), *rest) for factory, strategy, *rest in CASES]
     per_rank = rank_pool.run(_all_cases, (2, 2, 2), cases)
     for rank, results in enumerate(per_rank):
-        for case, (norms, errors, export_exact) in zip(CASES, results):
+        for case, (norms, errors, snapshot, export_exact) in zip(CASES, results):
+            assert snapshot, (case, rank)  # not the live tensors of those no axis splits
             for want, got in norms:
                 assert math.isclose(got, want, rel_tol=1e-5), (case, rank, want, got)
             for name, (parallel_err, serial_err, scale) in errors.items():

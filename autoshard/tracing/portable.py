@@ -101,6 +101,25 @@ class Portable:
         root.update(tensors)
         return fx.GraphModule(root, graph, class_name=self.class_name)
 
+    def read_at(self, target: str) -> str:
+        """Where forward first reads attribute `target`: the last frame of the stack
+        torch.export recorded for its first reader, or that node's name."""
+        attrs = {r.name for r in self.nodes if r.op == "get_attr" and r.target == target}
+
+        def reads(record: _Node) -> bool:
+            found = []
+            fx.node.map_aggregate(
+                (record.args, record.kwargs),
+                lambda a: found.append(isinstance(a, _NodeRef) and a.name in attrs),
+            )
+            return any(found)
+
+        for record in self.nodes:
+            if reads(record):
+                stack = (record.meta.get("stack_trace") or "").strip().splitlines()
+                return " ".join(line.strip() for line in stack[-2:]) or f"node {record.name!r}"
+        return "no node"
+
 
 def _node(node: fx.Node) -> _Node:
     args, kwargs = fx.node.map_aggregate(

@@ -68,7 +68,11 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
     forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
-        with custom_functions_recorded() as custom_functions, _masks_applied_as_given():
+        with (
+            custom_functions_recorded() as custom_functions,
+            _masks_applied_as_given(),
+            _scalar_tensors_traced(),
+        ):
             exported = torch.export.export(model, args, kwargs, strict=False)
     except Exception as e:  # torch raises many kinds; all mean the same to the user
         raise TraceError(_export_failed(model, e)) from e
@@ -149,6 +153,32 @@ def _masks_applied_as_given():
 
 def _causal_only_if_said(mask, is_causal=None, size=None) -> bool:
     return is_causal is True
+
+
+@contextmanager
+def _scalar_tensors_traced():
+    """While tracing, ``torch.tensor`` of one Python number is ``torch.full`` of it.
+
+    torch.export keeps a tensor that forward makes from Python data as a constant of
+    the program, with the values it had while tracing; a model built on the meta
+    device makes it on meta (Hugging Face's GPT-Neo: ``torch.tensor(finfo.min,
+    device=attn_weights.device)``), where it has none. As ``full``, it is an op of
+    the graph with its value as an argument, made on each rank's device when the
+    program runs. The two make the same tensor (dtype as inferred from the number)."""
+    tensor = torch.tensor
+
+    def traced(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
+        if type(data) in (bool, int, float) and not pin_memory:
+            return torch.full((), data, dtype=dtype, device=device, requires_grad=requires_grad)
+        return tensor(
+            data, dtype=dtype, device=device, requires_grad=requires_grad, pin_memory=pin_memory
+        )
+
+    torch.tensor = traced
+    try:
+        yield
+    finally:
+        torch.tensor = tensor
 
 
 def _export_failed(model: torch.nn.Module, error: Exception) -> str:
