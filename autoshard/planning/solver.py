@@ -76,7 +76,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from highspy import HighsLp, HighsVarType, MatrixFormat, kSolutionStatusFeasible
+from highspy import HighsLp, HighsStatus, HighsVarType, MatrixFormat, kSolutionStatusFeasible
 from highspy import _Highs as Highs  # see `_highs`
 from scipy.sparse import coo_array
 from torch import fx
@@ -1116,7 +1116,8 @@ def _highs(program: IntegerProgram, options: dict, start: dict[int, float]) -> n
     # can be turned off (`autoshard show` would print it); the bare solver it wraps does not
     highs = Highs()
     for name, value in options.items():
-        highs.setOptionValue(name, value)
+        if highs.setOptionValue(name, value) != HighsStatus.kOk:  # a name HiGHS lacks
+            raise ValueError(f"HiGHS refused option {name}={value!r}")
     highs.passModel(lp)
     if start:
         index = np.fromiter(start, np.int32, len(start))
