@@ -170,7 +170,8 @@ class Compiled:
                     "same model (class, configuration and dtype) as the one you pass"
                 )
             found[fqn] = tensor
-        unknown = sorted(fqn for fqn, t in self.constants.items() if t.is_meta)
+        # (an empty one, as a Hugging Face cache starts from, has no values to lack)
+        unknown = sorted(f for f, t in self.constants.items() if t.is_meta and t.numel())
         if unknown:
             raise InputError(
                 f"forward makes a tensor from Python data (torch.tensor of a list, or an "
