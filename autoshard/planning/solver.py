@@ -984,10 +984,12 @@ STARTS = (SPACES["3d"], ("megatron",), ("dp",))
 beside other families: HiGHS starts from the fastest of their choices. Then its plan
 is never slower than Megatron-LM's or data parallel's best, the plans users write
 by hand (within `GAP` alone it could be up to 1 % slower), nor than the default
-space's; and HiGHS, holding a choice near its bound from the start, stops far
-sooner. LLaMA-3 70B on 8×8×8 over all five families, at 80 GiB: with 1M tokens
-6 s instead of 223 s (Megatron-LM's plan is within the gap); with 0.25M tokens
-12.5 s (1.8 s of them the default space) instead of 32 s."""
+space's. HiGHS, holding a choice near its bound from the start, often stops far
+sooner; LLaMA-3 70B on 8×8×8 over all five families at 80 GiB, with and without
+the start (parts included): 1M tokens 14 s / 223 s (Megatron-LM's plan is within
+the gap), 0.25M tokens 14 s / 21 s, 2M tokens of 8192 97 s / 29 s (there the
+default space alone takes 57 s: nearly every block is recomputed). Started from
+Megatron-LM's plan alone, 12 % slower than the best, the 0.25M case took 195 s."""
 
 
 def solve_priced(problem: Problem, budget: float | None) -> tuple[dict[str, Option], float]:
