@@ -172,6 +172,13 @@ class Compiled:
             found[fqn] = tensor
         # (an empty one, as a Hugging Face cache starts from, has no values to lack)
         unknown = sorted(f for f, t in self.constants.items() if t.is_meta and t.numel())
+        if unknown and "lifted_tensor" not in unknown[0]:
+            raise InputError(
+                f"the model holds tensor {unknown[0]!r} as a plain attribute (neither a "
+                "parameter nor a buffer), built on the meta device: nothing fills it. "
+                "Register it as a buffer (register_buffer, persistent=False if it is not "
+                "saved), or build the model on a real device"
+            )
         if unknown:
             raise InputError(
                 f"forward makes a tensor from Python data (torch.tensor of a list, or an "
@@ -549,6 +556,6 @@ class ParallelModule(torch.nn.Module):
         return {fqn: t for fqn, t in state.items() if fqn not in self._transient}
 
     def full_grads(self, rank0_only: bool = False) -> dict[str, torch.Tensor | None]:
-        """Every parameter's gradient at its original shape and name (a collective);
-        `rank0_only` as in `full_state_dict`."""
+        """Every parameter's gradient at its original shape and name (a collective), as
+        copies; `rank0_only` as in `full_state_dict`."""
         return self._gathered({n: p.grad for n, p in self.program.named_parameters()}, rank0_only)

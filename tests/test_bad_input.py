@@ -213,10 +213,43 @@ def test_a_tensor_made_from_a_list_in_forward_on_meta_is_refused():
         match=r"Python data .*line \d+, in forward scale = torch.tensor\(\[0.5.*torch.full",
     ):
         compiled.parameters(model)
-    real = MakesTensorsInForward()  # built on the CPU, the constant has its values
+    real = MakesTensorsInForward()  # built on the CPU, the constants have their values
     compiled = autoshard.compile(real, MESH, (torch.randn(8, 16),), strategy="3d")
-    assert [t.tolist() for t in compiled.constants.values()] == [[0.5, 2.0]]
+    assert sorted(map(str, (t.tolist() for t in compiled.constants.values()))) == [
+        "-3.0",
+        "[0.5, 2.0]",
+    ]
     assert compiled.parameters(real)
+
+
+class HoldsAPlainTensor(TwoLinears):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.ones(16)  # neither a parameter nor a buffer
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_a_plain_tensor_attribute_on_meta_is_refused():
+    with torch.device("meta"):
+        model = HoldsAPlainTensor()
+    compiled = autoshard.compile(model, MESH, (torch.empty(8, 16, device="meta"),), strategy="3d")
+    with pytest.raises(autoshard.InputError, match="'scale' as a plain attribute.*register"):
+        compiled.parameters(model)
+
+
+class BranchesOnANumber(nn.Module):
+    def forward(self, x):
+        if torch.tensor(2.0) > 1:  # torch.export folds a constant it knows the value of
+            x = 2 * x
+        return x[:, : torch.tensor(3).item()]
+
+
+def test_a_tensor_of_a_number_off_meta_stays_a_constant_forward_may_branch_on():
+    x = torch.randn(4, 8)
+    traced = trace(BranchesOnANumber(), (x,))
+    assert torch.equal(traced.graph_module(x)[0], BranchesOnANumber()(x))
 
 
 def test_a_plan_from_an_older_autoshard_is_refused():

@@ -2,6 +2,8 @@
 ``save_pretrained`` directory slice by slice equals the serial model; `save_hf`
 writes back what ``from_pretrained`` reads."""
 
+import json
+
 import pytest
 import torch
 from hf_zoo import gpt_neo, llama
@@ -68,6 +70,12 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, factory, s
     again = reloaded(input_ids=inputs[0], labels=inputs[1], use_cache=False).loss
     assert abs(again.item() - want.item()) <= 1e-6 * abs(want.item())
     assert len(list(out_dir.glob("model-*.safetensors"))) > 1  # written in shards
+    if shard_size:  # under the names save_pretrained writes: tied weights once
+        index = "model.safetensors.index.json"
+        names = [
+            set(json.loads((d / index).read_text())["weight_map"]) for d in (out_dir, directory)
+        ]
+        assert names[0] == names[1]
 
 
 def test_hf_weights_that_do_not_fit_are_refused(tmp_path):

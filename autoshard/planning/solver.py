@@ -994,7 +994,11 @@ Megatron-LM's plan alone, 12 % slower than the best, the 0.25M case took 195 s."
 
 def solve_priced(problem: Problem, budget: float | None) -> tuple[dict[str, Option], float]:
     """`solve`, with the step time the integer program priced for its choice."""
-    choice, seconds = _milp(problem, budget, minimize_memory=False, start=_start(problem, budget))
+    start, start_seconds = _start(problem, budget)
+    choice, seconds = _milp(problem, budget, minimize_memory=False, start=start)
+    if start is not None and (choice is None or start_seconds < seconds):
+        # HiGHS drops a start it cannot complete, and recounts bucket calls after it
+        choice, seconds = start, start_seconds
     if choice is None:
         smallest = smallest_peak(problem)
         raise BudgetError(
@@ -1005,9 +1009,11 @@ def solve_priced(problem: Problem, budget: float | None) -> tuple[dict[str, Opti
     return choice, seconds
 
 
-def _start(problem: Problem, budget: float | None) -> dict[str, Option] | None:
+def _start(problem: Problem, budget: float | None) -> tuple[dict[str, Option] | None, float]:
     """The fastest choice under `budget` of the `STARTS` that are part of the problem's
-    space, not all of it, and offer every unit an option; None where none does or fits."""
+    space, not all of it, and offer every unit an option, and its priced seconds;
+    (None, inf) where none does or fits. A start is optional: a part HiGHS calls
+    infeasible is not tried again with its presolve."""
     families = {o.family for options in problem.options.values() for o in options}
     best, best_seconds = None, math.inf
     for part in STARTS:
@@ -1015,10 +1021,11 @@ def _start(problem: Problem, budget: float | None) -> dict[str, Option] | None:
             any(o.family in part for o in options) for options in problem.options.values()
         ):
             continue
-        choice, seconds = _milp(problem.restricted(part), budget, minimize_memory=False)
+        part_problem = problem.restricted(part)
+        choice, seconds = _milp(part_problem, budget, minimize_memory=False, confirm=False)
         if choice is not None and seconds < best_seconds:
             best, best_seconds = choice, seconds
-    return best
+    return best, best_seconds
 
 
 def smallest_peak(problem: Problem) -> float:
@@ -1069,10 +1076,12 @@ def _milp(
     budget: float | None,
     minimize_memory: bool,
     start: dict[str, Option] | None = None,
+    confirm: bool = True,
 ):
     """HiGHS's choice for `problem` and its priced seconds, or (None, nan) where no
-    choice fits; from the choice `start`, where given (HiGHS completes the columns
-    that do not name an option or a knob)."""
+    choice fits (with `confirm`, once HiGHS with its presolve agrees); from the choice
+    `start`, where given (HiGHS completes the columns that do not name an option or
+    a knob)."""
     program = integer_program(problem, budget, minimize_memory)
     options = {**_HIGHS_OPTIONS, "mip_rel_gap": GAP, "mip_max_nodes": NODE_LIMIT}
     given = {}
@@ -1083,7 +1092,7 @@ def _milp(
             elif key[0] == "z":
                 given[c] = float(start[key[1]].base == key[2] and key[3] in start[key[1]].knobs)
     x = _highs(program, options, given)
-    if x is None:
+    if x is None and confirm:
         # Without presolve HiGHS has called a feasible program infeasible (a tiny RWKV
         # near its smallest budget: feasible at 374000 bytes, "infeasible" at 376000):
         # no plan is refused before HiGHS with presolve agrees.

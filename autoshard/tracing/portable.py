@@ -103,7 +103,7 @@ class Portable:
 
     def read_at(self, target: str) -> str:
         """Where forward first reads attribute `target`: the last frame of the stack
-        torch.export recorded for its first reader, or that node's name."""
+        torch.export recorded for its first reader that has one, or a reader's name."""
         attrs = {r.name for r in self.nodes if r.op == "get_attr" and r.target == target}
 
         def reads(record: _Node) -> bool:
@@ -114,11 +114,12 @@ class Portable:
             )
             return any(found)
 
-        for record in self.nodes:
-            if reads(record):
-                stack = (record.meta.get("stack_trace") or "").strip().splitlines()
-                return " ".join(line.strip() for line in stack[-2:]) or f"node {record.name!r}"
-        return "no node"
+        readers = [record for record in self.nodes if reads(record)]
+        for record in readers:  # the model's own first: autoshard's nodes have no stack
+            stack = (record.meta.get("stack_trace") or "").strip().splitlines()
+            if stack:
+                return " ".join(line.strip() for line in stack[-2:])
+        return f"node {readers[0].name!r}" if readers else "no node"
 
 
 def _node(node: fx.Node) -> _Node:

@@ -14,6 +14,7 @@ program keeps the model's parameter names.
 from __future__ import annotations
 
 import inspect
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -157,18 +158,24 @@ def _causal_only_if_said(mask, is_causal=None, size=None) -> bool:
 
 @contextmanager
 def _scalar_tensors_traced():
-    """While tracing, ``torch.tensor`` of one Python number is ``torch.full`` of it.
+    """While tracing, ``torch.tensor`` of one Python number made on the meta device is
+    ``torch.full`` of it.
 
     torch.export keeps a tensor that forward makes from Python data as a constant of
     the program, with the values it had while tracing; a model built on the meta
     device makes it on meta (Hugging Face's GPT-Neo: ``torch.tensor(finfo.min,
     device=attn_weights.device)``), where it has none. As ``full``, it is an op of
     the graph with its value as an argument, made on each rank's device when the
-    program runs. The two make the same tensor (dtype as inferred from the number)."""
+    program runs. The two make the same tensor (dtype as inferred from the number).
+    Off meta the constant keeps its value, and torch.export can branch on it (``if
+    torch.tensor(2.0) > 1``), which it cannot on an op's result: left as it is."""
     tensor = torch.tensor
+    tracing_thread = threading.get_ident()  # the patch is process-wide; others pass through
 
     def traced(data, *, dtype=None, device=None, requires_grad=False, pin_memory=False):
-        if type(data) in (bool, int, float) and not pin_memory:
+        target = torch.device(torch.get_default_device() if device is None else device)
+        number = type(data) in (bool, int, float) and not pin_memory
+        if number and target.type == "meta" and threading.get_ident() == tracing_thread:
             return torch.full((), data, dtype=dtype, device=device, requires_grad=requires_grad)
         return tensor(
             data, dtype=dtype, device=device, requires_grad=requires_grad, pin_memory=pin_memory
