@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -216,11 +217,10 @@ def load_hf(module: torch.nn.Module, directory, prefix: str = "") -> None:
     outside `prefix` are left as they are. Buffers the model computes at
     construction (rotary tables) are recomputed for a model built on meta."""
     files = _hf_files(Path(directory))
-    targets = {}
-    for fqn, local in _local_tensors(module).items():
-        names = [n[len(prefix) :] for n in _aliases(module, fqn) if n.startswith(prefix)]
-        if names:
-            targets[fqn] = (next((n for n in names if n in files), names[0]), local)
+    targets = {
+        fqn: (next((n for n in names if n in files), names[0]), local)
+        for fqn, (names, local) in _hf_tensors(module, prefix).items()
+    }
     shapes = {}
     for fqn, (name, local) in targets.items():
         if name not in files:
@@ -264,12 +264,9 @@ def save_hf(module: torch.nn.Module, directory, prefix: str = "", max_shard_byte
         weight_map.update(dict.fromkeys(shard, name))
         shard.clear()
 
-    for fqn, local in _local_tensors(module).items():
+    for fqn, (names, local) in _hf_tensors(module, prefix).items():
         full = _gathered(module, fqn, local)
-        names = [
-            alias[len(prefix) :] for alias in _aliases(module, fqn) if alias.startswith(prefix)
-        ]
-        if writer and names:
+        if writer:
             # tied names (an lm-head and its embedding) hold one tensor: written once,
             # under the model's first name for it, as save_pretrained writes it and
             # from_pretrained ties it again (safetensors refuses a tensor twice)
@@ -302,14 +299,24 @@ def _hf_files(directory: Path) -> dict[str, Path]:
     )
 
 
-def _local_tensors(module) -> dict[str, torch.Tensor]:
+def _hf_tensors(module, prefix: str) -> dict[str, tuple[str, torch.Tensor]]:
+    """Each tensor of `module` named under `prefix` (tied ones once), by its FQN: the
+    names the model gives it there, without the prefix, and this rank's part of it."""
     if _is_parallel(module):
-        return module.local_state_dict()
-    return dict(module.state_dict(keep_vars=True))
-
-
-def _aliases(module, fqn: str) -> tuple[str, ...]:
-    return module._aliases.get(fqn, (fqn,)) if _is_parallel(module) else (fqn,)
+        local = module.local_state_dict()
+        names = {fqn: module._aliases.get(fqn, (fqn,)) for fqn in local}
+    else:  # a plain model's state_dict names a tied tensor once per name
+        local, tied = {}, defaultdict(list)
+        for fqn, tensor in module.state_dict(keep_vars=True).items():
+            tied[tensor].append(fqn)
+            local.setdefault(tied[tensor][0], tensor)
+        names = {fqns[0]: tuple(fqns) for fqns in tied.values()}
+    out = {}
+    for fqn, tensor in local.items():
+        under = [n[len(prefix) :] for n in names[fqn] if n.startswith(prefix)]
+        if under:
+            out[fqn] = (under, tensor)
+    return out
 
 
 def local_slices(module, fqn: str, shape) -> tuple[slice, ...]:

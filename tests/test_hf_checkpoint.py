@@ -78,6 +78,20 @@ def test_meta_model_loaded_from_hf_equals_serial(rank_pool, tmp_path, factory, s
         assert names[0] == names[1]
 
 
+def test_a_plain_model_with_tied_weights_saves_what_save_pretrained_saves(tmp_path):
+    # its state_dict names the tied lm-head and embedding, one tensor, twice
+    serial, inputs = _serial(gpt_neo)
+    autoshard.checkpoint.save_hf(serial, tmp_path / "ours", prefix="model.", max_shard_bytes=40_000)
+    serial.model.save_pretrained(tmp_path / "theirs", max_shard_size="20KB")
+    index = "model.safetensors.index.json"
+    ours, theirs = (json.loads((tmp_path / d / index).read_text()) for d in ("ours", "theirs"))
+    assert set(ours["weight_map"]) == set(theirs["weight_map"])
+    reloaded = type(serial.model).from_pretrained(tmp_path / "ours")
+    (want,) = serial(*inputs)
+    again = reloaded(input_ids=inputs[0], labels=inputs[1], use_cache=False).loss
+    assert again.item() == want.item()
+
+
 def test_hf_weights_that_do_not_fit_are_refused(tmp_path):
     serial, _ = _serial()
     with pytest.raises(autoshard.CheckpointError, match="no Hugging Face weights at"):
