@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from autoshard.errors import CheckpointError
 from autoshard.layout import Layout
+from autoshard.tracing.trace import tied_names
 
 MODEL, OPTIMIZER = "model", "optimizer"
 
@@ -306,11 +306,9 @@ def _hf_tensors(module, prefix: str) -> dict[str, tuple[str, torch.Tensor]]:
         local = module.local_state_dict()
         names = {fqn: module._aliases.get(fqn, (fqn,)) for fqn in local}
     else:  # a plain model's state_dict names a tied tensor once per name
-        local, tied = {}, defaultdict(list)
-        for fqn, tensor in module.state_dict(keep_vars=True).items():
-            tied[tensor].append(fqn)
-            local.setdefault(tied[tensor][0], tensor)
-        names = {fqns[0]: tuple(fqns) for fqns in tied.values()}
+        state = module.state_dict(keep_vars=True)
+        names = tied_names(module, state)
+        local = {fqn: tensor for fqn, tensor in state.items() if names[fqn][0] == fqn}
     out = {}
     for fqn, tensor in local.items():
         under = [n[len(prefix) :] for n in names[fqn] if n.startswith(prefix)]

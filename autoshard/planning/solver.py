@@ -1017,11 +1017,12 @@ def _start(problem: Problem, budget: float | None) -> tuple[dict[str, Option] | 
     families = {o.family for options in problem.options.values() for o in options}
     best, best_seconds = None, math.inf
     for part in STARTS:
-        if families <= set(part) or not all(
-            any(o.family in part for o in options) for options in problem.options.values()
-        ):
+        if families <= set(part):
             continue
-        part_problem = problem.restricted(part)
+        try:
+            part_problem = problem.restricted(part)
+        except StrategyError:  # a unit it offers no option
+            continue
         choice, seconds = _milp(part_problem, budget, minimize_memory=False, confirm=False)
         if choice is not None and seconds < best_seconds:
             best, best_seconds = choice, seconds

@@ -95,7 +95,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
 
     # Tied weights reach the graph once per name: give them one node, named as the model
     # first names the tensor, so that they stay one parameter with one gradient.
-    aliases = _aliases(model, [fqn_of[name] for name in fqn_of])
+    aliases = tied_names(model, [fqn_of[name] for name in fqn_of])
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, fx.Node] = {}
@@ -336,7 +336,9 @@ def _first_in(names, state) -> str:
     return next(n for n in names if n in state)
 
 
-def _aliases(model: torch.nn.Module, fqns) -> dict[str, tuple[str, ...]]:
+def tied_names(model: torch.nn.Module, fqns) -> dict[str, tuple[str, ...]]:
+    """Per FQN of `fqns`, every name `model` gives its tensor, in the model's order
+    (tied weights: the embedding's name first, then the lm-head's)."""
     names: dict[int, list[str]] = {}
     for name, tensor in [
         *model.named_parameters(remove_duplicate=False),
