@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoshard.testing import assert_equivalent
+import autoshard
+from autoshard.testing import assert_equivalent, load_factory
 
 MODELS = str(Path(__file__).parent / "views_models.py")
 # The key part of an attention's input bias has no gradient but rounding noise (~1e-7),
@@ -47,3 +48,19 @@ def test_a_transformer_with_a_causal_mask_given_no_hint_and_padding_trains_like_
 def test_transpose_reshape_linear_view(mesh):
     """The minimal form: x.transpose(0, 1).reshape(T·B, E) → Linear → view → transpose."""
     assert_equivalent(f"{MODELS}:transposed_linear", mesh, strategy="3d", steps=1)
+
+
+@pytest.mark.parametrize("plan", ["3d", "solved"])
+def test_pieces_of_a_fused_projection_stay_split(plan):
+    """A split of a dim that the projection before it splits gathers that dim, then
+    cuts every piece to its shard: under "3d" attention runs on this rank's heads only
+    and the gated MLP on its features (before, both ran whole on every rank of the
+    axis the projection split its features over)."""
+    if plan == "3d":
+        model, inputs = load_factory(f"{MODELS}:fused_projections")()
+        nodes = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d").nodes.values()
+        attention = next(n for n in nodes if "scaled_dot_product_attention" in n.op)
+        product = next(n for n in nodes if n.op == "aten.mul.Tensor")
+        assert attention.strategy.inputs[0].dims[1], "attention runs on every head"
+        assert product.strategy.output.dims[-1], "the gated product runs on every feature"
+    assert_equivalent(f"{MODELS}:fused_projections", (2, 2, 2), steps=2, **PLANS[plan])

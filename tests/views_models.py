@@ -194,3 +194,27 @@ def seq2seq():
 def seq2seq_eval():
     model, inputs = seq2seq()
     return model.eval(), inputs
+
+
+class FusedProjections(nn.Module):
+    """One projection for q, k and v, split into them (GPT-2, MPT), and one for a gated
+    MLP's two halves, chunked (GLU): pieces of a dim the projection splits."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+        self.up = nn.Linear(E, 4 * E)
+        self.down = nn.Linear(2 * E, E)
+
+    def forward(self, x):
+        heads = (B, S, HEADS, E // HEADS)
+        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(attended.transpose(1, 2).reshape(B, S, E))
+        gate, value = self.up(x).chunk(2, dim=-1)
+        return x + self.down(nn.functional.silu(gate) * value)
+
+
+def fused_projections():
+    return FusedProjections(), (_tokens(True, requires_grad=True),)

@@ -526,13 +526,15 @@ def storage_of(value: fx.Node, plan: Plan) -> str:
 
 def stored_bytes(value: fx.Node, plan: Plan) -> int:
     """Bytes of `value` on one rank as the plan stores it (0 for what it does not lay out).
-    A split's outputs view one storage: its input, as the split receives it."""
+    A split's outputs count as one storage: its input as the split receives it, or the
+    pieces cut from it (`views.split`), which is as many bytes or fewer."""
     val = value.meta.get("val")
     if isinstance(val, (tuple, list)) and _aliases(value) and value.name in plan.nodes:
-        source = tensor_inputs(value)[0]
-        layout = plan.nodes[value.name].strategy.inputs[0]
-        shape = layout.local_shape(tuple(source.meta["val"].shape), plan.mesh)
-        return _numel(shape) * source.meta["val"].element_size()
+        outputs = plan.nodes[value.name].strategy.outputs
+        return sum(
+            _numel(layout.local_shape(tuple(piece.shape), plan.mesh)) * piece.element_size()
+            for layout, piece in zip(outputs, val)
+        )
     layout = plan.stored_layout(value)
     if layout is None or not hasattr(val, "shape"):
         return 0

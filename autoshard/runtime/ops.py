@@ -324,6 +324,22 @@ _PRODUCT_GRADS = {
 }
 
 
+@comm.on_mesh
+def split_to_shards(
+    op: str, *args, split_dim: int, axes: tuple[str, ...], mesh: comm.BoundMesh, **kwargs
+):
+    """`op` (a split or chunk, by name) of a tensor whole along `split_dim`, each piece
+    cut to this rank's part of that dim over `axes`: copies, so that the whole tensor
+    is freed once split."""
+    pieces = []
+    for piece in _aten(op)(*args, **kwargs):
+        start, length = chunk_start(piece.shape[split_dim], axes, mesh)
+        pieces.append(
+            piece.narrow(split_dim, start, length).clone(memory_format=torch.contiguous_format)
+        )
+    return pieces
+
+
 def chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:
     """(first index, length) of this rank's chunk of a dim of `size` split over `axes`
     (`Layout.shard_slices`, the one place that computes a rank's offsets)."""

@@ -21,6 +21,7 @@ from torch.ops import aten
 
 from autoshard.layout import Layout
 from autoshard.mesh import Mesh
+from autoshard.runtime import ops
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.registry import register
 
@@ -210,15 +211,40 @@ def select(ctx: Context) -> list[Strategy]:
     return [make("follow", [x], Layout(x.dims[:dim] + x.dims[dim + 1 :]))]
 
 
+def _split_pieces_to_shards(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    dim = _split_dim(node)
+    node.args = (str(node.target), *node.args)
+    node.kwargs = {**node.kwargs, "split_dim": dim, "axes": placed.strategy.output.dims[dim]}
+    node.target = ops.split_to_shards
+
+
+SPLIT_TO_SHARDS = Lowering("shards", _split_pieces_to_shards)
+
+
+def _split_dim(node: fx.Node) -> int:
+    position = 1 if node.target == aten.unbind.int else 2
+    dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
+    return dim % node.args[0].meta["val"].ndim
+
+
 def split(ctx: Context) -> list[Strategy]:
-    dim = _dim_arg(ctx, 2 if ctx.node.target != aten.unbind.int else 1)
+    """A split of a sharded dim gathers it; where every piece divides over the axes
+    gathered, each piece is cut to its shard at once, so that the work after the split
+    (a fused q/k/v projection's heads) stays split instead of running whole on every
+    rank of those axes. Its backward then reduce-scatters the gathered input's gradient
+    instead of slicing it."""
+    dim = _split_dim(ctx.node)
     x = _unshard(ctx.layout(0), dim)
     pieces = len(ctx.result_shapes)
     if ctx.node.target == aten.unbind.int:
         piece = Layout(x.dims[:dim] + x.dims[dim + 1 :])
-    else:
-        piece = x
-    return [make("follow", [x], piece, outputs=(piece,) * pieces)]
+        return [make("follow", [x], piece, outputs=(piece,) * pieces)]
+    gathered = ctx.layout(0).dims[dim]
+    count = ctx.mesh.count(gathered)
+    if count > 1 and all(shape[dim] % count == 0 for shape in ctx.result_shapes):
+        piece = Layout(x.dims[:dim] + (gathered,) + x.dims[dim + 1 :])
+        return [make("follow", [x], piece, outputs=(piece,) * pieces, lowering=SPLIT_TO_SHARDS)]
+    return [make("follow", [x], x, outputs=(x,) * pieces)]
 
 
 # Their outputs view the input's storage (`aliases`): a getitem of one is that storage.
@@ -229,8 +255,10 @@ register(
     aten.tensor_split.sections,
     free=True,
     aliases=True,
+    lowerings=(SPLIT_TO_SHARDS,),
 )(split)
-register(aten.chunk.default, aten.unbind.int, aliases=True)(split)  # priced as kernels
+register(aten.chunk.default, aliases=True, lowerings=(SPLIT_TO_SHARDS,))(split)  # as kernels
+register(aten.unbind.int, aliases=True)(split)
 
 
 @register(aten.cat.default)
