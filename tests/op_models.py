@@ -1218,3 +1218,30 @@ class MaximumOfAScalar(nn.Module):
 
 def maximum_of_a_scalar():
     return MaximumOfAScalar(), (torch.randn(4, 16),)
+
+
+class FlattenedLayers(nn.Module):
+    """Layers on tokens flattened around the product: GPT-2's Conv1D
+    (``addmm(bias, x.view(-1, K), weight).view(B, S, N)``), one without a bias (``mm``),
+    and an nn.Linear called on flattened tokens. Six sequences: three a rank after one
+    axis of a 2×2×2 mesh, which the next axis does not divide."""
+
+    def __init__(self, hidden=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up_weight = nn.Parameter(torch.randn(hidden, 4 * hidden) / hidden**0.5)
+        self.up_bias = nn.Parameter(torch.randn(4 * hidden))
+        self.down_weight = nn.Parameter(torch.randn(4 * hidden, hidden) / (4 * hidden) ** 0.5)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        batch, seq, hidden = x.shape
+        flat = self.norm(x).view(-1, hidden)
+        up = torch.addmm(self.up_bias, flat, self.up_weight).view(batch, seq, -1)
+        down = torch.mm(F.gelu(up).view(-1, up.shape[-1]), self.down_weight)
+        x = x + down.view(batch, seq, hidden)
+        return self.out(x.reshape(-1, hidden)).view(batch, seq, hidden)
+
+
+def flattened_layers():
+    return FlattenedLayers(), (torch.randn(6, 8, 16, requires_grad=True),)

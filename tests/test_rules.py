@@ -569,3 +569,20 @@ def test_a_sharded_norm_computes_its_statistics_in_fp32():
 def test_values_with_their_indices_of_a_0d_tensor_are_laid_out_each():
     # the 0-d branch gave no layout per result: planning raised IndexError at the getitem
     assert_equivalent(f"{OPS}:maximum_of_a_scalar", (2, 2, 2), strategy="3d", steps=2)
+
+
+def test_layers_on_flattened_tokens_run_on_the_tokens_unflattened():
+    """``addmm(b, x.view(-1, K), w).view(B, S, N)`` is traced as the product on x itself
+    (and ``mm``, and ``linear`` on flattened tokens): six sequences on 2×2×2, three a
+    rank after the first axis, which a flat dim of tokens could not split over the
+    next one, are split over the sequence instead of gathered whole."""
+    model, inputs = load_factory(f"{OPS}:flattened_layers")()
+    graph_module = trace(model, inputs).graph_module
+    ops = [n.target._opname for n in graph_module.graph.nodes if n.op == "call_function"]
+    assert "addmm" not in ops and "mm" not in ops and "view" not in ops, ops
+    torch.testing.assert_close(graph_module(*inputs)[0], model(*inputs), rtol=1e-6, atol=1e-6)
+    plan = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    activation = plan.nodes["gelu"].strategy.output
+    assert activation.dims[0] and activation.dims[1], activation  # batch and sequence
+    assert_equivalent(f"{OPS}:flattened_layers", (2, 2, 2), strategy="3d", steps=2)
+    assert_equivalent(f"{OPS}:flattened_layers", (1, 2, 4), steps=2, memory_budget=60_000)

@@ -8,6 +8,13 @@ rule would see as a layer. It is ``aten.linear(x, weight)``, exactly:
     numpy_t = aten.numpy_T(weight)            linear = aten.linear(x, weight)
     matmul = aten.matmul(x, numpy_t)
 
+GPT-2's Conv1D flattens the tokens around its product,
+``addmm(bias, x.view(-1, K), weight).view(B, S, N)``: flattened, batch and sequence
+are one dim, which a rank can hold a part of only as one block, so a batch smaller
+than the axes that split tokens could not be split further over the sequence. It is
+the product on ``x`` itself, ``matmul(x, weight)`` and the bias added (likewise ``mm``,
+and ``linear`` on flattened tokens).
+
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
 `autoshard.tracing.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
@@ -90,6 +97,7 @@ def _transposed_weight(node: fx.Node) -> fx.Node | None:
 def canonicalize(graph: fx.Graph) -> None:
     """Every rewrite of this module, in place."""
     fold_transposed_weights(graph)
+    layers_on_unflattened_tokens(graph)
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
     permutes_by_number(graph)
@@ -245,6 +253,67 @@ def fold_transposed_weights(graph: fx.Graph) -> None:
         node.target, node.args = aten.linear.default, (x, weight)
         if not transposed.users:
             graph.erase_node(transposed)
+
+
+_FLATTENS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def layers_on_unflattened_tokens(graph: fx.Graph) -> None:
+    """``addmm(bias, x.view(-1, K), weight).view(B, S, N)`` → ``matmul(x, weight) + bias``
+    (``mm`` and ``linear`` alike), in place, where nothing else reads the product."""
+    for node in list(graph.nodes):
+        weight, bias = _layer_operands(node)
+        if weight is None:
+            continue
+        flat = node.args[1] if node.target == aten.addmm.default else node.args[0]
+        x, (unflatten,) = flat.args[0], node.users
+        if unflatten.meta["val"].shape[:-1] != x.meta["val"].shape[:-1]:
+            continue
+        val = unflatten.meta["val"]
+        with graph.inserting_before(unflatten):
+            if node.target == aten.linear.default:
+                out = _call_like(graph, node, aten.linear.default, (x, weight, *bias), val)
+            else:
+                out = _call_like(graph, node, aten.matmul.default, (x, weight), val)
+                if bias:
+                    out = _call_like(graph, node, aten.add.Tensor, (out, *bias), val)
+        unflatten.replace_all_uses_with(out)
+        for dead in (unflatten, node, flat):
+            if not dead.users:
+                graph.erase_node(dead)
+
+
+def _call_like(graph: fx.Graph, node: fx.Node, target, args: tuple, val) -> fx.Node:
+    """A call of `target` in `node`'s place, named after it, with its module and source."""
+    new = graph.create_node("call_function", target, args, name=f"{node.name}_{target._opname}")
+    new.meta = {**node.meta, "val": val}
+    return new
+
+
+def _layer_operands(node: fx.Node) -> tuple[fx.Node | None, tuple]:
+    """(weight, (bias,) or ()) of a layer on flattened tokens that one unflatten reads:
+    ``addmm(bias, flat, weight)``, ``mm(flat, weight)`` or ``linear(flat, weight[, bias])``
+    with a parameter for weight and ``flat`` a view of [..., K] as [-1, K]; else None."""
+    if node.op != "call_function" or len(node.users) != 1 or node.kwargs:
+        return None, ()
+    if node.target == aten.addmm.default and len(node.args) == 3:
+        bias, flat, weight = node.args
+        bias = (bias,)
+    elif node.target in (aten.mm.default, aten.linear.default):
+        flat, weight, *bias = node.args
+        bias = tuple(bias)
+    else:
+        return None, ()
+    (user,) = node.users
+    if user.target not in _FLATTENS or weight.op != "get_attr" or weight.meta["val"].dim() != 2:
+        return None, ()
+    if flat.op != "call_function" or flat.target not in _FLATTENS:
+        return None, ()
+    x = flat.args[0]
+    shape = x.meta["val"].shape
+    if len(shape) < 3 or tuple(flat.meta["val"].shape) != (math.prod(shape[:-1]), shape[-1]):
+        return None, ()
+    return weight, bias
 
 
 def einsum_as_products(graph: fx.Graph) -> None:
