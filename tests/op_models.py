@@ -1244,4 +1244,4 @@ class FlattenedLayers(nn.Module):
 
 
 def flattened_layers():
-    return FlattenedLayers(), (torch.randn(6, 8, 16, requires_grad=True),)
+    return FlattenedLayers(), (torch.randn(6, 8, 16),)

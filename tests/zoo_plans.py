@@ -31,6 +31,7 @@ from autoshard.mesh import Mesh
 from autoshard.planning.options import PlanOptions
 from autoshard.planning.plan import Plan
 from autoshard.planning.solver import build_problem, smallest_peak, solve
+from autoshard.planning.verify import check_plan
 from autoshard.tracing.modes import trace_modes
 from autoshard.tracing.trace import Traced
 
@@ -86,11 +87,14 @@ def plan_model(name: str, mesh_shape, setting) -> Plan:
 
 @functools.cache
 def compile_model(name: str, mesh_shape, setting) -> Compiled:
-    """`plan_model`'s plan, emitted: what every rank applies."""
+    """`plan_model`'s plan, emitted: what every rank applies. The plan must pass the
+    check a saved plan gets before it is applied (`check_plan`: BART's was refused)."""
     model, traced = traced_model(name)
+    plan = plan_model(name, mesh_shape, setting)
+    check_plan(plan, traced)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Compiled.emitted(traced, plan_model(name, mesh_shape, setting), model)
+        return Compiled.emitted(traced, plan, model)
 
 
 Case = tuple[str, tuple[int, ...], str]  # (model name, mesh shape, setting)

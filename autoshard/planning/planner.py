@@ -477,6 +477,8 @@ def _localize(graph: fx.Graph, nodes: dict[str, NodePlan], stored, planning: Mes
         if wanted is None:
             continue
         operands = tensor_inputs(node)
+        if any(inp.op == "get_attr" for inp in operands):
+            continue  # a parameter or buffer is stored as its first reader reads it
         out_shape = _shape(node)
         layouts = [
             _aligned(wanted, _shape(inp), out_shape).normalized(planning) for inp in operands

@@ -24,6 +24,7 @@ from autoshard.mesh import Mesh
 from autoshard.runtime import ops
 from autoshard.strategies.base import Context, Lowering, Strategy, make
 from autoshard.strategies.registry import register
+from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
@@ -186,9 +187,14 @@ def expand(ctx: Context) -> list[Strategy]:
 
 
 def _dim_arg(ctx: Context, position: int, default: int = 0) -> int:
-    args = ctx.node.args
-    dim = args[position] if len(args) > position else ctx.node.kwargs.get("dim", default)
-    return dim % len(ctx.shape(0))
+    return _dim_of(ctx.node, position, default)
+
+
+def _dim_of(node: fx.Node, position: int, default: int = 0) -> int:
+    """The dim argument at `position` (or keyword `dim`) of `node`, non-negative."""
+    args = node.args
+    dim = args[position] if len(args) > position else node.kwargs.get("dim", default)
+    return dim % tensor_inputs(node)[0].meta["val"].ndim
 
 
 def _unshard(layout: Layout, dim: int) -> Layout:
@@ -222,9 +228,7 @@ SPLIT_TO_SHARDS = Lowering("shards", _split_pieces_to_shards)
 
 
 def _split_dim(node: fx.Node) -> int:
-    position = 1 if node.target == aten.unbind.int else 2
-    dim = node.args[position] if len(node.args) > position else node.kwargs.get("dim", 0)
-    return dim % node.args[0].meta["val"].ndim
+    return _dim_of(node, 1 if node.target == aten.unbind.int else 2)
 
 
 def split(ctx: Context) -> list[Strategy]:
