@@ -1245,3 +1245,29 @@ class FlattenedLayers(nn.Module):
 
 def flattened_layers():
     return FlattenedLayers(), (torch.randn(6, 8, 16),)
+
+
+class FlattenedLoss(nn.Module):
+    """A language model's loss as Hugging Face writes it: the logits cast to fp32 and
+    flattened, the shifted labels (padding ids -100) flattened and cast, one
+    cross-entropy (with label smoothing, averaged) and one summed. Six sequences of
+    eight tokens: three a rank after one axis of 2×2×2."""
+
+    def __init__(self, vocab=32, hidden=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        logits = self.head(torch.tanh(self.embed(ids))).float()
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        flat, targets = logits.view(-1, logits.shape[-1]), shifted.view(-1).to(ids.device)
+        mean = F.cross_entropy(flat, targets, ignore_index=-100, label_smoothing=0.1)
+        return mean + F.cross_entropy(flat, targets, reduction="sum") / 100
+
+
+def flattened_loss():
+    ids = torch.randint(0, 32, (6, 8))
+    labels = ids.clone()
+    labels[1, -3:] = -100  # padding
+    return FlattenedLoss(), (ids, labels)

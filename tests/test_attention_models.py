@@ -64,3 +64,19 @@ def test_pieces_of_a_fused_projection_stay_split(plan):
         assert attention.strategy.inputs[0].dims[1], "attention runs on every head"
         assert product.strategy.output.dims[-1], "the gated product runs on every feature"
     assert_equivalent(f"{MODELS}:fused_projections", (2, 2, 2), steps=2, **PLANS[plan])
+
+
+@pytest.mark.parametrize("mode", ["few_sequences", "few_sequences_eval"])
+@pytest.mark.parametrize("plan", ["3d", "solved"])
+def test_attention_splits_its_queries_where_batch_and_heads_run_out(mode, plan):
+    """Two sequences on 2×2×2: under "3d" the third axis stays on the query rows,
+    causal attention included (each rank masks its rows from their place in the
+    whole); before, it was gathered and attention ran whole over it. Padding in the
+    masks, inputs that need gradients, train and eval."""
+    if plan == "3d":
+        model, inputs = load_factory(f"{MODELS}:{mode}")()
+        nodes = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d").nodes.values()
+        attentions = [n for n in nodes if "scaled_dot_product_attention" in n.op]
+        assert all(n.strategy.inputs[0].dims[2] for n in attentions), "queries gathered"
+        assert [n.strategy.lowering is not None for n in attentions] == [True, False, False]
+    assert_equivalent(f"{MODELS}:{mode}", (2, 2, 2), steps=2, **PLANS[plan])

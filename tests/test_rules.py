@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.ops import aten
 
 import autoshard
 from autoshard.errors import StrategyError, TraceError
@@ -586,3 +587,22 @@ def test_layers_on_flattened_tokens_run_on_the_tokens_unflattened():
     assert activation.dims[0] and activation.dims[1], activation  # batch and sequence
     assert_equivalent(f"{OPS}:flattened_layers", (2, 2, 2), strategy="3d", steps=2)
     assert_equivalent(f"{OPS}:flattened_layers", (1, 2, 4), steps=2, memory_budget=60_000)
+
+
+def test_a_loss_on_flattened_tokens_runs_on_the_tokens_unflattened():
+    """``cross_entropy(logits.view(-1, V), labels.view(-1))`` (casts after either view
+    too) is traced as the loss over the tokens themselves, its classes moved to dim 1:
+    on 2×2×2 the logits of six sequences stay split over the sequence (a flat dim of
+    tokens could not split over the next axis, and the largest activation of a
+    language model was gathered over it); padding ids ignored, mean and sum."""
+    model, inputs = load_factory(f"{OPS}:flattened_loss")()
+    graph_module = trace(model, inputs).graph_module
+    losses = [n for n in graph_module.graph.nodes if n.target == aten.cross_entropy_loss.default]
+    assert [n.args[0].meta["val"].dim() for n in losses] == [3, 3]
+    torch.testing.assert_close(graph_module(*inputs)[0], model(*inputs), rtol=1e-6, atol=1e-6)
+    plan = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+    for loss in losses:
+        logits = plan.nodes[loss.name].strategy.inputs[0]
+        assert logits.dims[0] and logits.dims[2], logits  # batch and sequence
+    assert_equivalent(f"{OPS}:flattened_loss", (2, 2, 2), strategy="3d", steps=2)
+    assert_equivalent(f"{OPS}:flattened_loss", (1, 2, 4), steps=2, memory_budget=30_000)

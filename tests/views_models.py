@@ -218,3 +218,45 @@ class FusedProjections(nn.Module):
 
 def fused_projections():
     return FusedProjections(), (_tokens(True, requires_grad=True),)
+
+
+class FewSequences(nn.Module):
+    """Two sequences on 2×2×2: the batch takes one axis, the four query heads another,
+    and the third comes to attention splitting the sequence. Attention three ways:
+    causal (`is_causal`) and under a mask built as Hugging Face builds it (causal and
+    key padding, [B, 1, S, S]), both grouped-query (one key/value head, `enable_gqa`),
+    and with four key/value heads under a key padding mask ([B, 1, 1, S])."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(E, E)
+        self.grouped = nn.Linear(E, 2 * E // HEADS)
+        self.kv = nn.Linear(E, 2 * E)
+        self.out = nn.Linear(E, E)
+
+    def forward(self, x, keep):
+        b, s, e = x.shape
+
+        def heads(t):
+            return t.view(b, s, -1, e // HEADS).transpose(1, 2)
+
+        q = heads(self.q(x))
+        k1, v1 = (heads(t) for t in self.grouped(x).chunk(2, dim=-1))
+        k, v = (heads(t) for t in self.kv(x).chunk(2, dim=-1))
+        attend = nn.functional.scaled_dot_product_attention
+        causal = attend(q, k1, v1, is_causal=True, enable_gqa=True)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()[None, None]
+        padded = attend(q, k1, v1, attn_mask=mask & keep[:, None, None, :], enable_gqa=True)
+        full = attend(q, k, v, attn_mask=keep[:, None, None, :])
+        return x + self.out((causal + padded + full).transpose(1, 2).reshape(b, s, e))
+
+
+def few_sequences():
+    keep = torch.ones(2, S, dtype=torch.bool)
+    keep[1, -3:] = False  # the second sequence padded
+    return FewSequences(), (torch.randn(2, S, E, requires_grad=True), keep)
+
+
+def few_sequences_eval():
+    model, inputs = few_sequences()
+    return model.eval(), inputs

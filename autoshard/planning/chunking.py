@@ -45,16 +45,17 @@ _BETWEEN = {  # what may stand between the head and the loss: views and casts
     aten.alias.default,
     aten.to.dtype,
     aten._to_copy.default,
+    aten.permute.default,  # only the classes moved to dim 1 (`_moves_classes`)
 }
 _IGNORED = {aten._assert_tensor_metadata.default}  # checks the trace left, run by no one
 
 
 def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
     """Every way `plan` allows of running a loss over its tokens in pieces: for each
-    vocabulary-parallel cross-entropy of [tokens, classes] logits, reduced to a sum or
-    mean, whose logits a bias-free linear makes (through
-    views and casts only, read by nothing else), each of `counts` that some token dim
-    of the head's product divides."""
+    vocabulary-parallel cross-entropy of [tokens, classes] logits (or of logits whose
+    classes were moved to dim 1), reduced to a sum or mean, whose logits a bias-free
+    linear makes (through views, casts and that move only, read by nothing else), each
+    of `counts` that some token dim of the head's product divides."""
     out = []
     for name, placed in plan.nodes.items():
         if placed.strategy.lowering is not CROSS_ENTROPY or not _summed_rows(traced.nodes[name]):
@@ -72,10 +73,18 @@ def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
 
 def _summed_rows(loss) -> bool:
     """Whether the loss sums (or averages) losses of [tokens, classes] rows against
-    class indices, as the pieces' are added."""
+    class indices, as the pieces' are added: logits [tokens, classes], or [N, classes,
+    d1, …] that are [N, d1, …, classes] with the classes moved to dim 1."""
     logits, target = (v.meta["val"] for v in tensor_inputs(loss)[:2])
     summed = argument(loss, "reduction") in (losses.MEAN, losses.SUM)
-    return logits.dim() == 2 and not target.is_floating_point() and summed
+    rows = logits.dim() == 2 or logits.dim() > 2 and logits.movedim(1, -1).is_contiguous()
+    return rows and not target.is_floating_point() and summed
+
+
+def _moves_classes(node) -> bool:
+    """Whether `node` permutes [N, d1, …, classes] to [N, classes, d1, …]."""
+    n = node.meta["val"].dim()
+    return list(node.args[1]) == [0, n - 1, *range(1, n - 1)]
 
 
 def _head(traced: Traced, plan: Plan, loss: str) -> tuple[str, tuple[str, ...]] | None:
@@ -94,6 +103,8 @@ def _head(traced: Traced, plan: Plan, loss: str) -> tuple[str, tuple[str, ...]] 
         if value.target is aten.linear.default:
             break
         if value.target not in _BETWEEN or any(placed.input_steps) or placed.output_steps:
+            return None
+        if value.target is aten.permute.default and not _moves_classes(value):
             return None
         between.insert(0, value.name)
         reader, value = value.name, tensor_inputs(value)[0]

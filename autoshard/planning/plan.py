@@ -208,7 +208,8 @@ class Plan:
             if node.name == c.head:
                 return list(node.output_steps)
             if node.name == c.loss:
-                vocab = node.strategy.inputs[0].dims[-1]
+                scores = node.strategy.inputs[0].dims  # classes at dim 1 ([rows, classes] too)
+                vocab = scores[min(1, len(scores) - 1)]
                 return [s for s in node.strategy.internal if s.axis in vocab]
         return []
 

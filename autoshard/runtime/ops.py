@@ -340,6 +340,20 @@ def split_to_shards(
     return pieces
 
 
+@comm.on_mesh
+def causal_rows(
+    query, key, value, *, scale, enable_gqa, queries: int, query_axes, mesh: comm.BoundMesh
+):
+    """Causal attention of this rank's rows of the queries (of `queries`, split over
+    `query_axes`) against every key: row i of the shard is row start + i of the whole,
+    which sees keys 0 … start + i (torch's `is_causal` aligns its mask to the top left)."""
+    start, rows = chunk_start(queries, query_axes, mesh)
+    mask = torch.ones(rows, key.shape[-2], dtype=torch.bool, device=query.device).tril(start)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
+
+
 def chunk_start(size: int, axes: tuple[str, ...], mesh: comm.BoundMesh) -> tuple[int, int]:
     """(first index, length) of this rank's chunk of a dim of `size` split over `axes`
     (`Layout.shard_slices`, the one place that computes a rank's offsets)."""

@@ -1,23 +1,32 @@
-"""Attention: batch and heads sharded, never sequence or head_dim.
+"""Attention: batch, heads and queries sharded, never keys or head_dim.
 
-`scaled_dot_product_attention` gathers any axis that splits the sequence or
-head_dim of q, k, v and, where the head (or batch) count allows, splits the
-heads over it instead; keys and values follow the query's batch and head
-shards (with fewer key/value heads, grouped-query attention, they are
-replicated over an axis whose count does not divide them). The explicit
-form (q @ kᵀ, softmax, @ v) is a batched matmul, which never splits its
+`scaled_dot_product_attention` gathers any axis that splits head_dim of q, k, v and,
+where the head (or batch) count allows, splits the heads over it instead; keys and
+values follow the query's batch and head shards (with fewer key/value heads,
+grouped-query attention, they are replicated over an axis whose count does not
+divide them). An axis that splits the query's sequence may be moved to its heads or
+batch likewise, or kept: each query row attends on its own, so a rank computes the
+rows it holds against every key and value (gathered over that axis; their gradients
+are partial sums over it). A causal call (`is_causal`) keeps its rows as the
+lowering `causal_rows`, which masks a rank's rows from their place in the whole.
+The explicit form (q @ kᵀ, softmax, @ v) is a batched matmul, which never splits its
 contraction, and a softmax, which never splits its reduced dim.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import sympy
 import torch
+from torch import fx
 from torch.ops import aten
 
 from autoshard.formula import Formula
 from autoshard.layout import Layout
-from autoshard.strategies.base import Context, Saved, Strategy, Unclaimed, make
+from autoshard.mesh import Mesh
+from autoshard.runtime import ops
+from autoshard.strategies.base import Context, Lowering, Saved, Strategy, Unclaimed, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import (
     STATISTIC_BYTES,
@@ -30,6 +39,9 @@ from autoshard.strategies.registry import (
 from autoshard.strategies.views import _dim_arg, _unshard
 from autoshard.tracing.schema import argument
 from autoshard.tracing.trace import tensor_inputs
+
+if TYPE_CHECKING:
+    from autoshard.planning.plan import NodePlan
 
 # Attention over batch×heads BH: scores Q·Kᵀ and the weighted sum P·V, each a
 # matmul: 4·b·h·s²·d when q, k, v share the head dim d.
@@ -77,38 +89,87 @@ def _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> S
     return Saved(kept, output=True, extra_bytes=extra)
 
 
+def _causal_rows_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
+    """What attention keeps, and, on the fused kernels' path, the additive mask torch
+    makes of the boolean one `ops.causal_rows` passes ([rows, keys])."""
+    kept = _attention_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize)
+    q, key = in_shapes[0], in_shapes[1]
+    if len(q) != 4:
+        return kept
+    itemsize = tensor_inputs(node)[0].meta["val"].element_size()
+    return Saved(kept.inputs, kept.output, kept.extra_bytes + q[-2] * key[-2] * itemsize)
+
+
+def _causal_rows_workspace(node, in_shapes, out_shape) -> int:
+    return in_shapes[0][-2] * in_shapes[1][-2]  # the boolean mask
+
+
+def _causal_rows(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
+    q, key, value = node.args[:3]
+    node.args = (q, key, value)
+    node.kwargs = {
+        "scale": argument(node, "scale"),
+        "enable_gqa": argument(node, "enable_gqa"),
+        "queries": q.meta["val"].shape[-2],
+        "query_axes": placed.strategy.inputs[0].dims[-2],
+    }
+    node.target = ops.causal_rows
+
+
+CAUSAL_ROWS = Lowering("causal_rows", _causal_rows, _causal_rows_saved, _causal_rows_workspace)
+
+
 def _query_layouts(ctx: Context) -> list[Layout]:
-    """The query layout as it comes, and with its sequence/head_dim axes moved to the
-    leading dims that divide them: heads (the innermost) first, then batch."""
+    """The layouts attention may take its query in, from the one it comes in: the axes
+    over its sequence and head_dim moved to the leading dims that take them (heads,
+    the innermost, first, then batch); or splitting the query rows, with the axes
+    over the sequence kept there and head_dim's moved, or with every one moved where
+    it fits; an axis no dim takes is gathered. Only those that keep the most axes: an
+    axis gathered where it could split the work has every rank of it compute and keep
+    the same scores, s² each.
+
+    The heads take an axis only where the key's and value's heads divide over it too:
+    under grouped-query attention (fewer key/value heads) query head i reads key head
+    i // group, so a rank's query heads need exactly the key heads of the same block
+    (a single key head is read by all). An axis the heads come with that the key's do
+    not divide over moves like the others."""
     q = ctx.layout(0)
     lead = len(q.dims) - 2
-    kept = Layout(q.dims[:lead] + ((), ()))
-    dims = [list(axes) for axes in q.dims[:lead]]
+    heads = lead - 1
     shape = ctx.shape(0)
-    for axis in q.dims[-2] + q.dims[-1]:
-        for d in reversed(range(lead)):
-            if (shape[d] // ctx.mesh.count(dims[d])) % ctx.mesh.size(axis) == 0:
-                dims[d].append(axis)
-                break
-    moved = Layout(tuple(tuple(axes) for axes in dims) + ((), ()))
-    return [moved, kept] if moved != kept else [kept]
+    count, size = ctx.mesh.count, ctx.mesh.size
+    key_heads = [ctx.shape(i)[heads] for i in (1, 2)] if heads >= 0 else []
 
+    def takes(d: int, axes: list[str], axis: str) -> bool:
+        n = count(axes) * size(axis)
+        if shape[d] % n:
+            return False
+        return d != heads or all(k == 1 or k % n == 0 for k in key_heads)
 
-def _heads_key_and_value_follow(ctx: Context, q: Layout) -> Layout:
-    """`q` with its heads (the dim before the sequence's) split over only as many of
-    its axes (outermost first) as also split the key's and value's heads: under
-    grouped-query attention (fewer key/value heads), query head i reads key head
-    i // group, so a rank's query heads need exactly the key heads of the same block.
-    A single key head is read by all."""
-    h = len(q.dims) - 3
-    if h < 0:
-        return q
-    heads = list(q.dims[h])
-    while heads and any(
-        ctx.shape(i)[h] != 1 and ctx.shape(i)[h] % ctx.mesh.count(heads) for i in (1, 2)
-    ):
-        heads.pop()
-    return Layout(q.dims[:h] + (tuple(heads),) + q.dims[h + 1 :])
+    kept = [[] for _ in range(lead)]
+    unplaced = []
+    for d in range(lead):
+        for axis in q.dims[d]:
+            (kept[d] if takes(d, kept[d], axis) else unplaced).append(axis)
+
+    def placed(moving: tuple[str, ...], rows: tuple[str, ...], onto_rows: bool) -> Layout:
+        dims = [list(axes) for axes in kept] + [list(rows)]
+        for axis in moving:
+            fits = [d for d in reversed(range(lead)) if takes(d, dims[d], axis)]
+            if onto_rows and shape[-2] % (count(dims[lead]) * size(axis)) == 0:
+                fits.append(lead)
+            if fits:
+                dims[fits[0]].append(axis)
+        return Layout(tuple(tuple(axes) for axes in dims) + ((),))
+
+    seq, others = q.dims[-2], tuple(unplaced) + q.dims[-1]
+    layouts = [
+        placed(seq + others, (), onto_rows=False),
+        placed(others, seq, onto_rows=True),
+        placed(seq + others, (), onto_rows=True),
+    ]
+    most = max(len(layout.sharded_axes) for layout in layouts)
+    return list(dict.fromkeys(layout for layout in layouts if len(layout.sharded_axes) == most))
 
 
 @register(
@@ -122,8 +183,8 @@ def sdpa(ctx: Context) -> list[Strategy]:
         raise Unclaimed(f"dropout_p={argument(ctx.node, 'dropout_p')}")
     candidates = []
     out_shape = ctx.out_shape
+    causal = bool(argument(ctx.node, "is_causal"))
     for q in _query_layouts(ctx):
-        q = _heads_key_and_value_follow(ctx, q)
         lead = len(q.dims) - 2
         inputs = [q]
         for i in range(1, len(ctx.inputs)):
@@ -140,9 +201,13 @@ def sdpa(ctx: Context) -> list[Strategy]:
                 )
                 inputs.append(Layout(leading + ((), ())))
             else:  # the mask broadcasts against the scores [..., S_q, S_k]
-                scores = Layout(q.dims[:lead] + ((), ()))
+                scores = Layout(q.dims[:lead] + (q.dims[-2], ()))
                 inputs.append(aligned(scores, shape, out_shape[:-1] + (shape[-1],)))
-        candidates.append(make("follow", inputs, q, detail="batch and heads"))
+        if q.dims[-2]:
+            lowering = CAUSAL_ROWS if causal else None
+            candidates.append(make("follow", inputs, q, lowering=lowering, detail="queries"))
+        else:
+            candidates.append(make("follow", inputs, q, detail="batch and heads"))
     return candidates
 
 

@@ -52,10 +52,14 @@ def _mean_count(node: fx.Node) -> int:
     return 2 * itemsize(node) if argument(node, "reduction") == losses.MEAN else 0
 
 
-def _moved(node: fx.Node, in_shapes) -> int:
-    """The scores made [rows, classes]: a copy where the class dim is not last."""
-    ndim = len(in_shapes[0])
-    return numel(in_shapes[0]) * itemsize(node.args[0]) if _class_dim(node) != ndim - 1 else 0
+def _moved(node: fx.Node, in_shapes, i: int = 0) -> int:
+    """Input `i` (the scores, or probabilities as targets) made [rows, classes]: a copy
+    where the class dim is not innermost in memory (scores permuted from [..., classes],
+    as a flattened loss is traced, move back for free)."""
+    tensor = tensor_inputs(node)[i].meta["val"]
+    if tensor.movedim(_class_dim(node), -1).is_contiguous():
+        return 0
+    return numel(in_shapes[i]) * itemsize(node.args[i])
 
 
 def _native_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) -> Saved:
@@ -84,7 +88,7 @@ def _cross_entropy_saved(node, in_shapes, out_shape, needs_grad, mask_itemsize) 
     if _soft(node):  # the targets as [rows, classes]: a copy where the class dim is not last
         softmax = numel(in_shapes[0]) * item
         extra = softmax * (1 + needs_grad[1]) + _rows(node, in_shapes) * item + _mean_count(node)
-        moved = _moved(node, in_shapes)
+        moved = _moved(node, in_shapes, 1)
         return Saved(() if moved else (1,), extra_bytes=extra + moved)
     per_row = 8 + 2 + item * (_weighted(node) * (1 + bool(argument(node, "label_smoothing"))))
     softmax = numel(in_shapes[0]) * item

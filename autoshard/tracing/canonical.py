@@ -13,7 +13,10 @@ GPT-2's Conv1D flattens the tokens around its product,
 are one dim, which a rank can hold a part of only as one block, so a batch smaller
 than the axes that split tokens could not be split further over the sequence. It is
 the product on ``x`` itself, ``matmul(x, weight)`` and the bias added (likewise ``mm``,
-and ``linear`` on flattened tokens).
+and ``linear`` on flattened tokens). Hugging Face's causal-LM loss flattens them too,
+``cross_entropy(logits.view(-1, V), labels.view(-1))``: that is the loss over the
+tokens unflattened, ``cross_entropy(logits.permute(0, 2, 1), labels)`` (classes at dim
+1, as the loss takes them; the same rows, so the same mean, ignored rows and weights).
 
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
@@ -98,6 +101,7 @@ def canonicalize(graph: fx.Graph) -> None:
     """Every rewrite of this module, in place."""
     fold_transposed_weights(graph)
     layers_on_unflattened_tokens(graph)
+    losses_on_unflattened_tokens(graph)
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
     permutes_by_number(graph)
@@ -281,6 +285,70 @@ def layers_on_unflattened_tokens(graph: fx.Graph) -> None:
         for dead in (unflatten, node, flat):
             if not dead.users:
                 graph.erase_node(dead)
+
+
+_LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss_nd.default)
+_CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default)
+_CHECK = aten._assert_tensor_metadata.default  # a check the trace left on a value
+
+
+def losses_on_unflattened_tokens(graph: fx.Graph) -> None:
+    """``cross_entropy(x.view(-1, C), y.view(-1))`` → ``cross_entropy(x.permute(0, n-1,
+    1, …), y)`` (``nll_loss`` alike, casts after either view made before it), in place,
+    for class indices as targets and a mean or a sum (no per-row losses, whose shape
+    would change)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _LOSSES or len(node.args) < 2:
+            continue
+        scores, target = (_through_casts(arg) for arg in node.args[:2])
+        if scores is None or target is None:
+            continue
+        (flat, casts), (flat_target, target_casts) = scores, target
+        x, y = flat.args[0], flat_target.args[0]
+        shape = tuple(x.meta["val"].shape)
+        if len(shape) < 3 or tuple(flat.meta["val"].shape) != (math.prod(shape[:-1]), shape[-1]):
+            continue
+        if tuple(y.meta["val"].shape) != shape[:-1] or y.meta["val"].is_floating_point():
+            continue
+        if schema_arguments(node).get("reduction") == 0:
+            continue
+        order = [0, len(shape) - 1, *range(1, len(shape) - 1)]
+        with graph.inserting_before(node):
+            x, y = _cast_again(graph, x, casts), _cast_again(graph, y, target_casts)
+            moved = graph.create_node(
+                "call_function", aten.permute.default, (x, order), name=f"{node.name}_classes"
+            )
+            moved.meta = {**node.meta, "val": x.meta["val"].permute(order)}
+        node.args = (moved, y, *node.args[2:])
+        for dead in [*reversed(casts), flat, *reversed(target_casts), flat_target]:
+            for check in [user for user in dead.users if user.target == _CHECK]:
+                graph.erase_node(check)
+            if not dead.users:
+                graph.erase_node(dead)
+
+
+def _through_casts(node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(the view or reshape `node` is, or casts of, and those casts, first first), or
+    None."""
+    casts = []
+    while _call(node) and node.target in _CASTS:
+        casts.insert(0, node)
+        node = node.args[0]
+    return (node, casts) if _call(node) and node.target in _FLATTENS else None
+
+
+def _call(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function"
+
+
+def _cast_again(graph: fx.Graph, value: fx.Node, casts: list[fx.Node]) -> fx.Node:
+    """`value` through a copy of each of `casts`."""
+    for cast in casts:
+        args, kwargs = (value, *cast.args[1:]), dict(cast.kwargs)
+        new = graph.create_node("call_function", cast.target, args, kwargs, name=cast.name)
+        new.meta = {**cast.meta, "val": cast.target(value.meta["val"], *args[1:], **kwargs)}
+        value = new
+    return value
 
 
 def _call_like(graph: fx.Graph, node: fx.Node, target, args: tuple, val) -> fx.Node:
