@@ -103,6 +103,8 @@ HF_MODELS, HF_SEQ = ("llama", "gpt2", "bert_mlm", "t5"), 256
 
 
 def _build(model: str):
+    if model == "few sequences":
+        return load_factory(f"{ROOT}/tests/views_models.py:few_sequences_loss")()
     if model == "llama with its logits":
         run, inputs = hf_model("llama")
         run.keep = ("loss", "logits")  # as a user's `out = model(...)` holds them
@@ -252,6 +254,21 @@ def test_the_outputs_the_caller_holds_count_through_backward(capsys):
         programs[name, plan_name] = Compiled.emitted(traced, plan, model)
         predictions[name, plan_name] = _predicted(traced, plan)
     _compare(shared_pool(8).run(_measured, MESH, programs), predictions, capsys)
+
+
+def test_attention_on_split_query_rows_keeps_what_its_rule_says(capsys):
+    # Two sequences on 2×2×2: under "3d" attention splits its query rows over the
+    # third axis, causal (its boolean mask made for the rank's rows), under a mask of
+    # the rows and grouped-query; keys and values gathered whole.
+    name = "few sequences"
+    model, inputs = _build(name)
+    traced = trace(model, inputs)
+    plans = _plans(traced, ("3d",))
+    attentions = [p for p in plans["3d"].nodes.values() if "dot_product" in p.op]
+    assert all(p.strategy.inputs[0].dims[2] for p in attentions)
+    programs = {(name, n): autoshard.compile(model, MESH, inputs, plan=p) for n, p in plans.items()}
+    per_rank = shared_pool(8).run(_measured, MESH, programs)
+    _compare(per_rank, {(name, n): _predicted(traced, p) for n, p in plans.items()}, capsys)
 
 
 MiB = 1 << 20

@@ -260,3 +260,19 @@ def few_sequences():
 def few_sequences_eval():
     model, inputs = few_sequences()
     return model.eval(), inputs
+
+
+class MeanSquare(nn.Module):
+    """`model`'s output reduced to a loss, so that a step is a backward of one number."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs):
+        return self.model(*inputs).square().mean()
+
+
+def few_sequences_loss():
+    model, inputs = few_sequences()
+    return MeanSquare(model), inputs
