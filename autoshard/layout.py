@@ -201,11 +201,26 @@ def _redistribute(src, dst, shape, itemsize, mesh, grad_partial) -> tuple[Step, 
     def local_numel() -> int:
         return math.prod(s // mesh.count(axes) for s, axes in zip(shape, dims))
 
+    kept = []  # per dim, how many of its axes (outermost first) stay as they are
     for d, want in enumerate(dst.dims):
         keep = 0
         while keep < min(len(dims[d]), len(want)) and dims[d][keep] == want[keep]:
             keep += 1
-        while len(dims[d]) > keep:
+        kept.append(keep)
+    gathered = [d for d in range(len(dims)) if kept[d] < len(dims[d])]
+    # Splits first where they are free (an axis that splits nothing yet and is not
+    # partial, onto a dim that gathers nothing): the gathers after them then move 1/n
+    # of the bytes, and so do their backwards (heads split before the sequence is
+    # gathered).
+    held = {axis for axes in dims for axis in axes} | set(partial)
+    for d, want in enumerate(dst.dims):
+        for axis in want[len(dims[d]) :] if d not in gathered else ():
+            if axis in held:
+                break
+            steps.append(("split", axis, d, local_numel()))
+            dims[d].append(axis)
+    for d in gathered:
+        while len(dims[d]) > kept[d]:
             axis = dims[d].pop()
             steps.append(("all_gather", axis, d, local_numel()))
     for d, want in enumerate(dst.dims):

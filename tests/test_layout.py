@@ -43,6 +43,25 @@ def test_gather_of_an_outer_axis_regathers_the_inner_one():
     ]
 
 
+def test_a_free_split_comes_before_a_gather_of_another_dim():
+    # keys moving from their sequence split over c to heads split over b (attention on
+    # split query rows): split the heads first, so that the gather, and its backward,
+    # moves half the bytes
+    src, dst = Layout((("a",), (), ("c",), ())), Layout((("a",), ("b",), (), ()))
+    shape = (4, 8, 16, 4)
+    assert steps(src, dst, shape, grad={"c"}) == [
+        "split(b, dim=1) ↔ all_gather",
+        "all_gather(c, dim=2) ↔ reduce_scatter",
+    ]
+    gather = redistribute(src, dst, shape, 4, MESH, frozenset())[1]
+    assert gather.nbytes == 4 // 2 * 8 // 2 * 16 * 4 * 4
+    # an axis that splits another dim, or is partial, moves only after its gather
+    assert steps(Layout((("b",), ())), Layout(((), ("b",)))) == [
+        "all_gather(b, dim=0) ↔ split",
+        "split(b, dim=1) ↔ all_gather",
+    ]
+
+
 def test_partial_sums_reduce_scatter_onto_a_shard_or_all_reduce():
     src = Layout((("a",), ("b",)), partial=("c",))
     assert steps(src, Layout((("a", "c"), ("b",)))) == ["reduce_scatter(c, dim=0) ↔ all_gather"]
