@@ -321,9 +321,9 @@ def losses_on_unflattened_tokens(graph: fx.Graph) -> None:
             moved.meta = {**node.meta, "val": x.meta["val"].permute(order)}
         node.args = (moved, y, *node.args[2:])
         for dead in [*reversed(casts), flat, *reversed(target_casts), flat_target]:
-            for check in [user for user in dead.users if user.target == _CHECK]:
-                graph.erase_node(check)
-            if not dead.users:
+            if all(user.target == _CHECK for user in dead.users):  # read by its checks only
+                for check in list(dead.users):
+                    graph.erase_node(check)
                 graph.erase_node(dead)
 
 
