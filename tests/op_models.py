@@ -1247,6 +1247,27 @@ def flattened_layers():
     return FlattenedLayers(), (torch.randn(6, 8, 16),)
 
 
+class Slices(nn.Module):
+    """Slices of one projection's features: three that cut it into consecutive pieces
+    (the last by a negative start), and beside them, of another, two that overlap, one
+    with a step and one that leaves a gap."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused = nn.Linear(16, 32)
+        self.other = nn.Linear(16, 32)
+
+    def forward(self, x):
+        h, g = self.fused(x), self.other(x)
+        q, k, v = h[..., :16], h[..., 16:24], h[..., -8:]
+        overlapping = g[..., :20] * g[..., 12:]
+        return q * torch.cat([k, v], -1) + overlapping[..., :16] + g[..., ::2] + g[..., 20:28].sum()
+
+
+def slices():
+    return Slices(), (torch.randn(4, 8, 16),)
+
+
 class FlattenedLoss(nn.Module):
     """A language model's loss as Hugging Face writes it: the logits cast to fp32 and
     flattened, the shifted labels (padding ids -100) flattened and cast, one

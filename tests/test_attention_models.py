@@ -50,20 +50,25 @@ def test_transpose_reshape_linear_view(mesh):
     assert_equivalent(f"{MODELS}:transposed_linear", mesh, strategy="3d", steps=1)
 
 
+@pytest.mark.parametrize(
+    "name", ["fused_projections", "sliced_projections", "multi_query_projection"]
+)
 @pytest.mark.parametrize("plan", ["3d", "solved"])
-def test_pieces_of_a_fused_projection_stay_split(plan):
+def test_pieces_of_a_fused_projection_stay_split(name, plan):
     """A split of a dim that the projection before it splits gathers that dim, then
     cuts every piece to its shard: under "3d" attention runs on this rank's heads only
     and the gated MLP on its features (before, both ran whole on every rank of the
-    axis the projection split its features over)."""
+    axis the projection split its features over). Slices that cut the dim into
+    consecutive pieces (Phi-3's) are that split; a piece that does not divide (one key
+    head) stays whole, and the others are still cut."""
     if plan == "3d":
-        model, inputs = load_factory(f"{MODELS}:fused_projections")()
+        model, inputs = load_factory(f"{MODELS}:{name}")()
         nodes = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d").nodes.values()
         attention = next(n for n in nodes if "scaled_dot_product_attention" in n.op)
         product = next(n for n in nodes if n.op == "aten.mul.Tensor")
         assert attention.strategy.inputs[0].dims[1], "attention runs on every head"
         assert product.strategy.output.dims[-1], "the gated product runs on every feature"
-    assert_equivalent(f"{MODELS}:fused_projections", (2, 2, 2), steps=2, **PLANS[plan])
+    assert_equivalent(f"{MODELS}:{name}", (2, 2, 2), steps=2, **PLANS[plan])
 
 
 @pytest.mark.parametrize("mode", ["few_sequences", "few_sequences_eval"])

@@ -589,6 +589,20 @@ def test_layers_on_flattened_tokens_run_on_the_tokens_unflattened():
     assert_equivalent(f"{OPS}:flattened_layers", (1, 2, 4), steps=2, memory_budget=60_000)
 
 
+def test_slices_that_cut_a_tensor_into_pieces_are_a_split():
+    """Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]`` are traced as
+    one split (whose rule keeps the pieces split where the projection splits its
+    features); slices that overlap, step or leave a gap stay slices."""
+    model, inputs = load_factory(f"{OPS}:slices")()
+    graph_module = trace(model, inputs).graph_module
+    splits = [n for n in graph_module.graph.nodes if n.target == aten.split_with_sizes.default]
+    assert [(n.args[0].name, n.args[1]) for n in splits] == [("linear", [16, 8, 8])]
+    slices = [n for n in graph_module.graph.nodes if n.target == aten.slice.Tensor]
+    assert {n.args[0].name for n in slices} == {"linear_1", "mul"}, slices
+    torch.testing.assert_close(graph_module(*inputs)[0], model(*inputs), rtol=0, atol=0)
+    assert_equivalent(f"{OPS}:slices", (2, 2, 2), strategy="3d", steps=2)
+
+
 def test_a_loss_on_flattened_tokens_runs_on_the_tokens_unflattened():
     """``cross_entropy(logits.view(-1, V), labels.view(-1))`` (casts after either view
     too) is traced as the loss over the tokens themselves, its classes moved to dim 1:

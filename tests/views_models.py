@@ -198,26 +198,51 @@ def seq2seq_eval():
 
 class FusedProjections(nn.Module):
     """One projection for q, k and v, split into them (GPT-2, MPT), and one for a gated
-    MLP's two halves, chunked (GLU): pieces of a dim the projection splits."""
+    MLP's two halves, chunked (GLU): pieces of a dim the projection splits. `cut`
+    "sliced" cuts the same pieces as slices, as Phi-3 does (``qkv[..., :E]``,
+    ``qkv[..., E:2 * E]``, …); "multi_query" projects one key and one value head
+    besides the query heads and splits the heads, as Falcon does: the key and value
+    pieces divide over no axis."""
 
-    def __init__(self):
+    def __init__(self, cut: str = "split"):
         super().__init__()
-        self.qkv = nn.Linear(E, 3 * E)
+        self.cut = cut
+        kv = 2 * E // HEADS if cut == "multi_query" else 2 * E
+        self.qkv = nn.Linear(E, E + kv)
         self.out = nn.Linear(E, E)
         self.up = nn.Linear(E, 4 * E)
         self.down = nn.Linear(2 * E, E)
 
+    def pieces(self, t: torch.Tensor, count: int) -> list[torch.Tensor]:
+        size = t.shape[-1] // count
+        if self.cut == "sliced":
+            return [t[..., i * size : (i + 1) * size] for i in range(count)]
+        return list(t.split(size, dim=-1) if count == 3 else t.chunk(count, dim=-1))
+
     def forward(self, x):
-        heads = (B, S, HEADS, E // HEADS)
-        q, k, v = (t.view(heads).transpose(1, 2) for t in self.qkv(x).split(E, dim=-1))
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.cut == "multi_query":
+            heads = self.qkv(x).view(B, S, HEADS + 2, E // HEADS)
+            q, k, v = (t.transpose(1, 2) for t in heads.split([HEADS, 1, 1], dim=2))
+        else:
+            heads = (B, S, HEADS, E // HEADS)
+            q, k, v = (t.view(heads).transpose(1, 2) for t in self.pieces(self.qkv(x), 3))
+        attend = nn.functional.scaled_dot_product_attention
+        attended = attend(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.out(attended.transpose(1, 2).reshape(B, S, E))
-        gate, value = self.up(x).chunk(2, dim=-1)
+        gate, value = self.pieces(self.up(x), 2)
         return x + self.down(nn.functional.silu(gate) * value)
 
 
 def fused_projections():
     return FusedProjections(), (_tokens(True, requires_grad=True),)
+
+
+def sliced_projections():
+    return FusedProjections("sliced"), (_tokens(True, requires_grad=True),)
+
+
+def multi_query_projection():
+    return FusedProjections("multi_query"), (_tokens(True, requires_grad=True),)
 
 
 class FewSequences(nn.Module):

@@ -326,18 +326,36 @@ _PRODUCT_GRADS = {
 
 @comm.on_mesh
 def split_to_shards(
-    op: str, *args, split_dim: int, axes: tuple[str, ...], mesh: comm.BoundMesh, **kwargs
+    op: str,
+    *args,
+    split_dim: int,
+    axes: tuple[tuple[str, ...], ...],
+    mesh: comm.BoundMesh,
+    **kwargs,
 ):
-    """`op` (a split or chunk, by name) of a tensor whole along `split_dim`, each piece
-    cut to this rank's part of that dim over `axes`: copies, so that the whole tensor
-    is freed once split."""
+    """`op` (a split or chunk, by name) of a tensor whole along `split_dim`, piece i cut
+    to this rank's part of that dim over `axes[i]`: copies, so that the whole tensor
+    is freed once split. A piece left whole (no axes: it does not divide) passes its
+    gradient on the first rank of the cut pieces' axes only: the whole tensor's gradient
+    is a share of a sum over those axes, as the cut pieces' are, and each rank's
+    copy of a whole piece's gradient is the same."""
+    cut = next(a for a in axes if a)
+    first = all(mesh.coordinate(axis) == 0 for axis in cut)
     pieces = []
-    for piece in _aten(op)(*args, **kwargs):
-        start, length = chunk_start(piece.shape[split_dim], axes, mesh)
-        pieces.append(
-            piece.narrow(split_dim, start, length).clone(memory_format=torch.contiguous_format)
-        )
+    for piece, piece_axes in zip(_aten(op)(*args, **kwargs), axes):
+        if piece_axes:
+            start, length = chunk_start(piece.shape[split_dim], piece_axes, mesh)
+            piece = piece.narrow(split_dim, start, length)
+        elif not first:
+            piece = _without_gradient(piece)
+        pieces.append(piece.clone(memory_format=torch.contiguous_format))
     return pieces
+
+
+def _without_gradient(x: torch.Tensor) -> torch.Tensor:
+    """`x`'s values, its gradient zero: still part of the autograd graph, so that the
+    collectives of backward after it run on this rank as on the others."""
+    return torch.where(torch.ones((), dtype=torch.bool, device=x.device), x.detach(), x)
 
 
 @comm.on_mesh

@@ -219,8 +219,9 @@ def select(ctx: Context) -> list[Strategy]:
 
 def _split_pieces_to_shards(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     dim = _split_dim(node)
+    axes = tuple(piece.dims[dim] for piece in placed.strategy.outputs)
     node.args = (str(node.target), *node.args)
-    node.kwargs = {**node.kwargs, "split_dim": dim, "axes": placed.strategy.output.dims[dim]}
+    node.kwargs = {**node.kwargs, "split_dim": dim, "axes": axes}
     node.target = ops.split_to_shards
 
 
@@ -232,11 +233,12 @@ def _split_dim(node: fx.Node) -> int:
 
 
 def split(ctx: Context) -> list[Strategy]:
-    """A split of a sharded dim gathers it; where every piece divides over the axes
-    gathered, each piece is cut to its shard at once, so that the work after the split
-    (a fused q/k/v projection's heads) stays split instead of running whole on every
-    rank of those axes. Its backward then reduce-scatters the gathered input's gradient
-    instead of slicing it."""
+    """A split of a sharded dim gathers it; each piece that divides over the axes
+    gathered is cut to its shard at once, so that the work after the split (a fused
+    q/k/v projection's heads) stays split instead of running whole on every rank of
+    those axes. Its backward then reduce-scatters the gathered input's gradient
+    instead of slicing it; a piece that does not divide (multi-query attention's one
+    key head) stays whole, its gradient passed on one rank of those axes."""
     dim = _split_dim(ctx.node)
     x = _unshard(ctx.layout(0), dim)
     pieces = len(ctx.result_shapes)
@@ -245,9 +247,10 @@ def split(ctx: Context) -> list[Strategy]:
         return [make("follow", [x], piece, outputs=(piece,) * pieces)]
     gathered = ctx.layout(0).dims[dim]
     count = ctx.mesh.count(gathered)
-    if count > 1 and all(shape[dim] % count == 0 for shape in ctx.result_shapes):
-        piece = Layout(x.dims[:dim] + (gathered,) + x.dims[dim + 1 :])
-        return [make("follow", [x], piece, outputs=(piece,) * pieces, lowering=SPLIT_TO_SHARDS)]
+    cut = Layout(x.dims[:dim] + (gathered,) + x.dims[dim + 1 :])
+    outputs = tuple(cut if shape[dim] % count == 0 else x for shape in ctx.result_shapes)
+    if count > 1 and cut in outputs:
+        return [make("follow", [x], cut, outputs=outputs, lowering=SPLIT_TO_SHARDS)]
     return [make("follow", [x], x, outputs=(x,) * pieces)]
 
 

@@ -18,6 +18,13 @@ and ``linear`` on flattened tokens). Hugging Face's causal-LM loss flattens them
 tokens unflattened, ``cross_entropy(logits.permute(0, 2, 1), labels)`` (classes at dim
 1, as the loss takes them; the same rows, so the same mean, ignored rows and weights).
 
+Phi-3 slices its fused q/k/v projection, ``qkv[..., :q]``, ``qkv[..., q:q + kv]`` and
+``qkv[..., q + kv:]``: slices that cut a tensor into consecutive pieces, the whole of
+it, are a split, ``split_with_sizes(qkv, [q, kv, kv], -1)``, whose pieces the split's
+rule can cut to each rank's shard where the projection splits its features (a slice
+alone must gather them). Likewise rotary embeddings' two halves, ``x[..., :d // 2]``
+and ``x[..., d // 2:]``: a chunk.
+
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
 `autoshard.tracing.experts.grouped_mm_nt(x, weight, offs)`, which reads the parameter itself.
@@ -105,6 +112,7 @@ def canonicalize(graph: fx.Graph) -> None:
     fold_transposed_experts(graph)
     reshape_by_shape(graph)
     permutes_by_number(graph)
+    slices_as_splits(graph)
     updates_out_of_place(graph)
     pad_convolutions_by_number(graph)
     einsum_as_products(graph)
@@ -243,6 +251,59 @@ def permutes_by_number(graph: fx.Graph) -> None:
             x, reps = node.args
             padded = [1] * (x.meta["val"].dim() - len(reps)) + list(reps)
             node.target, node.args = aten.repeat.default, (x, padded)
+
+
+def slices_as_splits(graph: fx.Graph) -> None:
+    """Slices of one tensor along one dim, step 1, that cut it into two or more
+    consecutive pieces covering it → ``split_with_sizes`` and a ``getitem`` per piece,
+    in place."""
+    for x in list(graph.nodes):
+        by_dim: dict[int, list[tuple[int, int, fx.Node]]] = {}
+        for user in x.users:
+            bounds = _slice_bounds(user, x)
+            if bounds is not None:
+                dim, start, end = bounds
+                by_dim.setdefault(dim, []).append((start, end, user))
+        for dim, pieces in by_dim.items():
+            pieces.sort(key=lambda piece: piece[:2])
+            ends = [0] + [end for _, end, _ in pieces]
+            consecutive = all(start == ends[i] for i, (start, _, _) in enumerate(pieces))
+            whole = ends[-1] == x.meta["val"].shape[dim]
+            empty = any(start == end for start, end, _ in pieces)
+            if len(pieces) < 2 or not consecutive or not whole or empty:
+                continue
+            _split_in_place_of(graph, x, dim, [user for _, _, user in pieces])
+
+
+def _slice_bounds(node: fx.Node, x: fx.Node) -> tuple[int, int, int] | None:
+    """(dim, start, end) of `node`, a slice of `x` with step 1, bounds as Python clamps
+    them; None for anything else."""
+    if node.target != aten.slice.Tensor or node.args[0] is not x:
+        return None
+    args = schema_arguments(node)
+    if args["step"] != 1:
+        return None
+    shape = x.meta["val"].shape
+    dim = args["dim"] % len(shape)
+    start, end, _ = slice(args["start"], args["end"]).indices(shape[dim])
+    return dim, start, max(start, end)
+
+
+def _split_in_place_of(graph: fx.Graph, x: fx.Node, dim: int, slices: list[fx.Node]) -> None:
+    """`slices`, consecutive pieces of `x` along `dim`, in order, as one split's pieces."""
+    sizes = [node.meta["val"].shape[dim] for node in slices]
+    with graph.inserting_after(x):
+        split = graph.create_node(
+            "call_function", aten.split_with_sizes.default, (x, sizes, dim), name=f"{x.name}_split"
+        )
+    split.meta = {**slices[0].meta, "val": tuple(node.meta["val"] for node in slices)}
+    for i, node in enumerate(slices):
+        with graph.inserting_before(node):
+            piece = graph.create_node("call_function", operator.getitem, (split, i))
+        piece.meta = dict(node.meta)
+        node.replace_all_uses_with(piece)
+        graph.erase_node(node)
+        piece.name = node.name
 
 
 def fold_transposed_weights(graph: fx.Graph) -> None:
