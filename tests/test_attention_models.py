@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import autoshard
+from autoshard.planning.verify import check_plan
 from autoshard.testing import assert_equivalent, load_factory
+from autoshard.tracing.modes import trace_modes
 
 MODELS = str(Path(__file__).parent / "views_models.py")
 # The key part of an attention's input bias has no gradient but rounding noise (~1e-7),
@@ -77,11 +79,12 @@ def test_attention_splits_its_queries_where_batch_and_heads_run_out(mode, plan):
     """Two sequences on 2×2×2: under "3d" the third axis stays on the query rows,
     causal attention included (each rank masks its rows from their place in the
     whole); before, it was gathered and attention ran whole over it. Padding in the
-    masks, inputs that need gradients, train and eval."""
+    masks, inputs that need gradients, train and eval; the plan saved and read back."""
     if plan == "3d":
         model, inputs = load_factory(f"{MODELS}:{mode}")()
-        nodes = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d").nodes.values()
-        attentions = [n for n in nodes if "scaled_dot_product_attention" in n.op]
+        made = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
+        attentions = [n for n in made.nodes.values() if "scaled_dot_product_attention" in n.op]
         assert all(n.strategy.inputs[0].dims[2] for n in attentions), "queries gathered"
         assert [n.strategy.lowering is not None for n in attentions] == [True, False, False]
+        check_plan(autoshard.Plan.from_json(made.to_json()), trace_modes(model, inputs))
     assert_equivalent(f"{MODELS}:{mode}", (2, 2, 2), steps=2, **PLANS[plan])

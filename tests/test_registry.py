@@ -2,9 +2,11 @@
 passes use is the entry's; the explicit-attention matmuls (q @ kᵀ, p @ v) take the
 activation-product rule and keep the scores split."""
 
+import importlib
 import json
 import math
 import operator
+import pkgutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,14 @@ from autoshard.mesh import Mesh
 from autoshard.planning.plan import Plan
 from autoshard.planning.planner import plan_graph
 from autoshard.runtime.ranks import shared_pool
-from autoshard.strategies import Lowering, entries, entry_for, register, rule_for
+from autoshard.strategies import (
+    Lowering,
+    entries,
+    entry_for,
+    lowering_named,
+    register,
+    rule_for,
+)
 from autoshard.strategies.linear import matmul
 from autoshard.strategies.norm import LAYER_NORM
 from autoshard.testing import load_factory
@@ -46,6 +55,21 @@ def test_every_op_has_one_entry():
     ops = [entry.op for entry in entries()]
     assert len(ops) == len(set(ops))
     assert all(entry_for(op).op is op for op in ops)
+
+
+def test_every_lowering_can_be_read_back_from_a_saved_plan():
+    """Every lowering is known by its name (one an entry lists, or the one of ops with
+    no rule): one that is not could not be read back from a saved plan (attention's
+    causal rows were such a one)."""
+    modules = pkgutil.iter_modules(autoshard.strategies.__path__, "autoshard.strategies.")
+    defined = [
+        value
+        for info in modules
+        for value in vars(importlib.import_module(info.name)).values()
+        if isinstance(value, Lowering)
+    ]
+    assert len(defined) > 5
+    assert all(lowering_named(lowering.name) is lowering for lowering in defined)
 
 
 def test_the_plan_names_the_entries_lowerings():

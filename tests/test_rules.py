@@ -608,11 +608,13 @@ def test_a_loss_on_flattened_tokens_runs_on_the_tokens_unflattened():
     too) is traced as the loss over the tokens themselves, its classes moved to dim 1:
     on 2×2×2 the logits of six sequences stay split over the sequence (a flat dim of
     tokens could not split over the next axis, and the largest activation of a
-    language model was gathered over it); padding ids ignored, mean and sum."""
+    language model was gathered over it); padding ids ignored, mean and sum, both
+    losses reading one cast of the logits."""
     model, inputs = load_factory(f"{OPS}:flattened_loss")()
     graph_module = trace(model, inputs).graph_module
     losses = [n for n in graph_module.graph.nodes if n.target == aten.cross_entropy_loss.default]
     assert [n.args[0].meta["val"].dim() for n in losses] == [3, 3]
+    assert len({n.args[0] for n in losses}) == 1, "the logits cast to fp32 twice"
     torch.testing.assert_close(graph_module(*inputs)[0], model(*inputs), rtol=1e-6, atol=1e-6)
     plan = autoshard.plan(model, (2, 2, 2), inputs, strategy="3d")
     for loss in losses:

@@ -29,6 +29,7 @@ from torch.ops import aten
 from autoshard.planning.plan import ChunkedLoss, NodePlan, Plan
 from autoshard.runtime import losses
 from autoshard.strategies.loss import CROSS_ENTROPY
+from autoshard.tracing.canonical import TRACE_CHECK
 from autoshard.tracing.schema import argument
 from autoshard.tracing.trace import Traced, tensor_inputs
 
@@ -47,7 +48,6 @@ _BETWEEN = {  # what may stand between the head and the loss: views and casts
     aten._to_copy.default,
     aten.permute.default,  # only the classes moved to dim 1 (`_moves_classes`)
 }
-_IGNORED = {aten._assert_tensor_metadata.default}  # checks the trace left, run by no one
 
 
 def chunkings(traced: Traced, plan: Plan, counts=CHUNKS) -> list[ChunkedLoss]:
@@ -97,7 +97,7 @@ def _head(traced: Traced, plan: Plan, loss: str) -> tuple[str, tuple[str, ...]] 
         return None  # the logits are converted: the loss reads no head's product as it is
     while True:
         placed = plan.nodes.get(value.name)
-        readers = [u for u in value.users if u.target not in _IGNORED]
+        readers = [u for u in value.users if u.target != TRACE_CHECK]
         if placed is None or [u.name for u in readers] != [reader]:
             return None
         if value.target is aten.linear.default:

@@ -19,6 +19,7 @@ from autoshard.errors import PlanError
 from autoshard.layout import Layout, Step
 from autoshard.mesh import Mesh
 from autoshard.strategies import Lowering, Strategy, lowering_named
+from autoshard.strategies.loss import class_dim
 
 
 @dataclass
@@ -208,8 +209,8 @@ class Plan:
             if node.name == c.head:
                 return list(node.output_steps)
             if node.name == c.loss:
-                scores = node.strategy.inputs[0].dims  # classes at dim 1 ([rows, classes] too)
-                vocab = scores[min(1, len(scores) - 1)]
+                scores = node.strategy.inputs[0].dims
+                vocab = scores[class_dim(len(scores))]
                 return [s for s in node.strategy.internal if s.axis in vocab]
         return []
 

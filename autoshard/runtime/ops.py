@@ -346,15 +346,15 @@ def split_to_shards(
         if piece_axes:
             start, length = chunk_start(piece.shape[split_dim], piece_axes, mesh)
             piece = piece.narrow(split_dim, start, length)
-        elif not first:
-            piece = _without_gradient(piece)
-        pieces.append(piece.clone(memory_format=torch.contiguous_format))
+        piece = piece.clone(memory_format=torch.contiguous_format)
+        pieces.append(piece if piece_axes or first else _without_gradient(piece))
     return pieces
 
 
 def _without_gradient(x: torch.Tensor) -> torch.Tensor:
-    """`x`'s values, its gradient zero: still part of the autograd graph, so that the
-    collectives of backward after it run on this rank as on the others."""
+    """`x`'s values (a copy laid out as `x`), its gradient zero: still part of the
+    autograd graph, so that the collectives of backward after it run on this rank as
+    on the others."""
     return torch.where(torch.ones((), dtype=torch.bool, device=x.device), x.detach(), x)
 
 

@@ -177,6 +177,7 @@ def _query_layouts(ctx: Context) -> list[Layout]:
     flops=_attention_flops,
     backward=_attention_backward,
     saved=_attention_saved,
+    lowerings=(CAUSAL_ROWS,),
 )
 def sdpa(ctx: Context) -> list[Strategy]:
     if argument(ctx.node, "dropout_p"):  # a mask drawn per shard is not the serial one

@@ -29,8 +29,13 @@ if TYPE_CHECKING:
     from autoshard.planning.plan import NodePlan
 
 
+def class_dim(ndim: int) -> int:
+    """The dim of a loss's scores that holds the classes: 1, or 0 for one sample's."""
+    return 1 if ndim > 1 else 0
+
+
 def _class_dim(node: fx.Node) -> int:
-    return 1 if tensor_inputs(node)[0].meta["val"].dim() > 1 else 0
+    return class_dim(tensor_inputs(node)[0].meta["val"].dim())
 
 
 def _weighted(node: fx.Node) -> bool:

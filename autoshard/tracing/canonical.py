@@ -23,7 +23,7 @@ Phi-3 slices its fused q/k/v projection, ``qkv[..., :q]``, ``qkv[..., q:q + kv]`
 it, are a split, ``split_with_sizes(qkv, [q, kv, kv], -1)``, whose pieces the split's
 rule can cut to each rank's shard where the projection splits its features (a slice
 alone must gather them). Likewise rotary embeddings' two halves, ``x[..., :d // 2]``
-and ``x[..., d // 2:]``: a chunk.
+and ``x[..., d // 2:]``: a split in two.
 
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
@@ -350,14 +350,15 @@ def layers_on_unflattened_tokens(graph: fx.Graph) -> None:
 
 _LOSSES = (aten.cross_entropy_loss.default, aten.nll_loss_nd.default)
 _CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.alias.default)
-_CHECK = aten._assert_tensor_metadata.default  # a check the trace left on a value
+TRACE_CHECK = aten._assert_tensor_metadata.default  # a check the trace left, run by no one
 
 
 def losses_on_unflattened_tokens(graph: fx.Graph) -> None:
     """``cross_entropy(x.view(-1, C), y.view(-1))`` → ``cross_entropy(x.permute(0, n-1,
     1, …), y)`` (``nll_loss`` alike, casts after either view made before it), in place,
     for class indices as targets and a mean or a sum (no per-row losses, whose shape
-    would change)."""
+    would change). Losses that read one operand read one rewrite of it."""
+    unflattened: dict[fx.Node, fx.Node] = {}  # an operand as read → as rewritten
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _LOSSES or len(node.args) < 2:
             continue
@@ -374,15 +375,20 @@ def losses_on_unflattened_tokens(graph: fx.Graph) -> None:
         if schema_arguments(node).get("reduction") == 0:
             continue
         order = [0, len(shape) - 1, *range(1, len(shape) - 1)]
+        read_scores, read_target = node.args[:2]
         with graph.inserting_before(node):
-            x, y = _cast_again(graph, x, casts), _cast_again(graph, y, target_casts)
-            moved = graph.create_node(
-                "call_function", aten.permute.default, (x, order), name=f"{node.name}_classes"
-            )
-            moved.meta = {**node.meta, "val": x.meta["val"].permute(order)}
-        node.args = (moved, y, *node.args[2:])
+            if read_scores not in unflattened:
+                x = _cast_again(graph, x, casts)
+                moved = graph.create_node(
+                    "call_function", aten.permute.default, (x, order), name=f"{node.name}_classes"
+                )
+                moved.meta = {**node.meta, "val": x.meta["val"].permute(order)}
+                unflattened[read_scores] = moved
+            if read_target not in unflattened:
+                unflattened[read_target] = _cast_again(graph, y, target_casts)
+        node.args = (unflattened[read_scores], unflattened[read_target], *node.args[2:])
         for dead in [*reversed(casts), flat, *reversed(target_casts), flat_target]:
-            if all(user.target == _CHECK for user in dead.users):  # read by its checks only
+            if all(user.target == TRACE_CHECK for user in dead.users):  # read by its checks only
                 for check in list(dead.users):
                     graph.erase_node(check)
                 graph.erase_node(dead)
