@@ -603,6 +603,25 @@ def test_slices_that_cut_a_tensor_into_pieces_are_a_split():
     assert_equivalent(f"{OPS}:slices", (2, 2, 2), strategy="3d", steps=2)
 
 
+class _PieceUpdatedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fused = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.fused(x)
+        q, k = h[..., :8], h[..., 8:]
+        q.mul_(2)  # autograd refuses this on one of the views a split returns
+        return q * k
+
+
+def test_slices_of_a_tensor_updated_in_place_stay_slices():
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    graph_module = trace(_PieceUpdatedInPlace(), (x,)).graph_module
+    assert not [n for n in graph_module.graph.nodes if n.target == aten.split_with_sizes.default]
+    graph_module(x)[0].sum().backward()
+
+
 def test_a_loss_on_flattened_tokens_runs_on_the_tokens_unflattened():
     """``cross_entropy(logits.view(-1, V), labels.view(-1))`` (casts after either view
     too) is traced as the loss over the tokens themselves, its classes moved to dim 1:

@@ -256,8 +256,11 @@ def permutes_by_number(graph: fx.Graph) -> None:
 def slices_as_splits(graph: fx.Graph) -> None:
     """Slices of one tensor along one dim, step 1, that cut it into two or more
     consecutive pieces covering it → ``split_with_sizes`` and a ``getitem`` per piece,
-    in place."""
+    in place, where nothing updates that tensor's storage in place (autograd refuses
+    an update of one of several views a function returns, or of their base)."""
     for x in list(graph.nodes):
+        if _storage_updated(x):
+            continue
         by_dim: dict[int, list[tuple[int, int, fx.Node]]] = {}
         for user in x.users:
             bounds = _slice_bounds(user, x)
@@ -273,6 +276,27 @@ def slices_as_splits(graph: fx.Graph) -> None:
             if len(pieces) < 2 or not consecutive or not whole or empty:
                 continue
             _split_in_place_of(graph, x, dim, [user for _, _, user in pieces])
+
+
+def _storage_updated(x: fx.Node) -> bool:
+    """Whether a node updates in place the storage `x` shares: through x, what x views,
+    or any view of those."""
+    base = x
+    while _views(base) and isinstance(base.args[0], fx.Node):
+        base = base.args[0]
+    sharing, stack = set(), [base]
+    while stack:
+        node = stack.pop()
+        if node not in sharing:
+            sharing.add(node)
+            stack += [user for user in node.users if _views(user)]
+    return any(set(operands_written(user)) & sharing for node in sharing for user in node.users)
+
+
+def _views(node: fx.Node) -> bool:
+    """Whether `node` shares its first operand's storage: a view, an update in place,
+    or one of the views a split returns."""
+    return node.op == "call_function" and (_aliases(node) or node.target is operator.getitem)
 
 
 def _slice_bounds(node: fx.Node, x: fx.Node) -> tuple[int, int, int] | None:
