@@ -36,7 +36,7 @@ from autoshard.planning.chunking import chunkings
 from autoshard.planning.plan import NodePlan, Plan
 from autoshard.planning.planner import _candidates, _regathered
 from autoshard.planning.units import updated_outside
-from autoshard.strategies import FAMILIES, Context, is_tensor, replicated_fallback
+from autoshard.strategies import FAMILIES, Context, Strategy, is_tensor, replicated_fallback
 from autoshard.tracing.trace import Traced, module_path, tensor_inputs
 
 _AGAIN = "plan again for this model (autoshard.plan, or parallelize without plan=)"
@@ -212,10 +212,17 @@ def _check_node(node, here: NodePlan, stored, owner, plan: Plan, mesh: Mesh) -> 
     _check_rule(node, here, inputs, stored, first_use, mesh, where)
 
 
+def _undescribed(strategy: Strategy) -> Strategy:
+    """`strategy` without its detail, which describes it and changes nothing that runs:
+    it names axes in the order the planner listed the mesh's (planned on a relabeled
+    mesh, a size-1 axis is named in another place)."""
+    return dataclasses.replace(strategy, detail="")
+
+
 def _check_rule(node, here: NodePlan, inputs, stored, first_use, mesh: Mesh, where: str) -> None:
     """The strategy must be one the op's rule proposes, from the layouts its inputs are
     stored in or (a value converted on its way in) the ones it reads them in."""
-    strategy = dataclasses.replace(here.strategy, regather=())
+    strategy = _undescribed(dataclasses.replace(here.strategy, regather=()))
     seen = [None if i in first_use else stored[inp] for i, inp in enumerate(inputs)]
     read = [None if i in first_use else here.strategy.inputs[i] for i in range(len(inputs))]
     # The family the node was planned under is not recorded (rules name their own,
@@ -225,7 +232,7 @@ def _check_rule(node, here: NodePlan, inputs, stored, first_use, mesh: Mesh, whe
     for layouts, family in tries:
         ctx = Context(node, mesh, inputs, layouts, family)
         proposed = _candidates(ctx, mesh)[0] + replicated_fallback(ctx)
-        if strategy in proposed:
+        if strategy in map(_undescribed, proposed):
             break
     else:
         raise PlanError(
