@@ -106,17 +106,22 @@ class _Shapes(fx.Interpreter):
         want = self._expected(node)
         if want is not None:
             self.expected[node.name] = want
-            if isinstance(want, tuple):  # at once: the first wrong node is named
-                shape, layout = want
-                local = layout.local_shape(shape, self.plan.mesh)
-                assert value.shape == local, (node.name, tuple(value.shape), local, shape, layout)
+            single = isinstance(want, tuple)
+            if single or node.name in self.plan.nodes:  # a split's pieces: each of them
+                pairs = [(value, want)] if single else zip(value, want, strict=True)
+                for piece, (shape, layout) in pairs:  # at once: the first wrong one is named
+                    local = layout.local_shape(shape, self.plan.mesh)
+                    assert piece.shape == local, (node.name, tuple(piece.shape), local, layout)
                 self.checked.add(node.name)
         return value
 
     def _expected(self, node) -> Shaped | list[Shaped] | None:
         placed = self.plan.nodes.get(node.name)
         if placed is not None:
-            assert placed.shape == self.global_shapes[node.name], node.name
+            shape = self.global_shapes[node.name]
+            if placed.strategy.outputs:  # several results (a split's pieces), a layout each
+                return list(zip(shape, placed.strategy.outputs, strict=True))
+            assert placed.shape == shape, node.name
             return placed.shape, placed.strategy.output
         if node.op == "placeholder":  # a model input, or a region's input (its name)
             shape = self.global_shapes.get(node.name)
@@ -148,8 +153,11 @@ def _global_shapes(traced) -> dict[str, tuple[int, ...]]:
     """Every traced tensor's global shape: nodes by name, parameters by FQN."""
     out = {fqn: tuple(t.shape) for fqn, t in traced.parameters.items()}
     for node in traced.graph_module.graph.nodes:
-        if isinstance(node.meta.get("val"), torch.Tensor):
-            out[node.name] = tuple(node.meta["val"].shape)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out[node.name] = tuple(val.shape)
+        elif isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
+            out[node.name] = [tuple(v.shape) for v in val]
     return out
 
 

@@ -22,8 +22,8 @@ Phi-3 slices its fused q/k/v projection, ``qkv[..., :q]``, ``qkv[..., q:q + kv]`
 ``qkv[..., q + kv:]``: slices that cut a tensor into consecutive pieces, the whole of
 it, are a split, ``split_with_sizes(qkv, [q, kv, kv], -1)``, whose pieces the split's
 rule can cut to each rank's shard where the projection splits its features (a slice
-alone must gather them). Likewise rotary embeddings' two halves, ``x[..., :d // 2]``
-and ``x[..., d // 2:]``: a split in two.
+alone must gather them). Only a product's result is read so: elsewhere (rotary
+embeddings' halves, ``x[..., :d // 2]`` and ``x[..., d // 2:]``) slices stay slices.
 
 Mixture-of-experts layers multiply by a transposed expert parameter
 (``grouped_mm_fallback(x, weight.transpose(1, 2), offs)``): that is
@@ -253,13 +253,16 @@ def permutes_by_number(graph: fx.Graph) -> None:
             node.target, node.args = aten.repeat.default, (x, padded)
 
 
+_FUSED = (aten.linear.default, aten.matmul.default, aten.addmm.default, aten.mm.default)
+
+
 def slices_as_splits(graph: fx.Graph) -> None:
-    """Slices of one tensor along one dim, step 1, that cut it into two or more
+    """Slices of a product's result along one dim, step 1, that cut it into two or more
     consecutive pieces covering it → ``split_with_sizes`` and a ``getitem`` per piece,
     in place, where nothing updates that tensor's storage in place (autograd refuses
     an update of one of several views a function returns, or of their base)."""
     for x in list(graph.nodes):
-        if _storage_updated(x):
+        if x.op != "call_function" or x.target not in _FUSED or _storage_updated(x):
             continue
         by_dim: dict[int, list[tuple[int, int, fx.Node]]] = {}
         for user in x.users:
