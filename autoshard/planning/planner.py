@@ -52,7 +52,8 @@ from autoshard.strategies import (
     replicated_fallback,
     rule_for,
 )
-from autoshard.strategies.inplace import leaves_read, storage_written_by
+from autoshard.strategies.inplace import leaves_read
+from autoshard.tracing.storage import storage_written_by
 from autoshard.tracing.trace import (
     Traced,
     differentiable,

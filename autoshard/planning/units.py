@@ -27,8 +27,8 @@ from torch import fx
 
 from autoshard.cost.model import storage_of, views_input, views_of
 from autoshard.planning.plan import Plan
-from autoshard.strategies.inplace import runs_in_place, storage_owner
-from autoshard.tracing.canonical import operands_written
+from autoshard.strategies.inplace import runs_in_place
+from autoshard.tracing.storage import operands_written, storage_owner
 from autoshard.tracing.trace import Traced
 
 

@@ -26,7 +26,6 @@ update and the storage it must reach.
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,8 +37,14 @@ from autoshard.mesh import Mesh
 from autoshard.strategies.base import Context, Lowering, Saved, Strategy, make
 from autoshard.strategies.pointwise import aligned
 from autoshard.strategies.registry import entry_for, register
-from autoshard.tracing.canonical import operands_written, schema_returns, writes_in_place
-from autoshard.tracing.schema import argument
+from autoshard.tracing.storage import (
+    aliases_its_input,
+    is_view,
+    operands_written,
+    storage_owner,
+    storage_sharers,
+    writes_in_place,
+)
 from autoshard.tracing.trace import tensor_inputs
 
 if TYPE_CHECKING:
@@ -82,48 +87,6 @@ def out_of_place(op):
     return getattr(packet, op._overloadname)
 
 
-def _is_view(node) -> bool:
-    """Whether `node` returns a view of another tensor (an in-place op's result, which
-    its schema also marks as an alias, is the updated tensor itself: `h.add_(1).mul_(2)`)."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        return _is_view(node.args[0])  # one of the views `split` or `chunk` returns
-    if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is aten.to:
-        return _returns_its_input(node)
-    return node.op == "call_function" and any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema_returns(node)
-    )
-
-
-def _aliases_its_input(node: fx.Node) -> bool:
-    """Whether `node`'s result shares its first operand's storage: a view, or an
-    in-place result."""
-    return _is_view(node) or writes_in_place(node)
-
-
-def storage_owner(node: fx.Node) -> fx.Node:
-    """The node whose result is the storage `node` shares (through views and updates)."""
-    while _aliases_its_input(node) and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
-def _sharing(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node that views or updates it, and so on: one storage."""
-    out, stack = set(), [node]
-    while stack:
-        here = stack.pop()
-        if here not in out:
-            out.add(here)
-            stack += [u for u in here.users if _aliases_its_input(u) and u.args[0] is here]
-    return out
-
-
-def storage_written_by(node: fx.Node) -> set[fx.Node]:
-    """The nodes sharing the storage `node` updates in place (the tensor, its views and
-    its updates' results); none if `node` writes nothing in place."""
-    return _sharing(storage_owner(node)) if writes_in_place(node) else set()
-
-
 def _after(node: fx.Node) -> list[fx.Node]:
     """The nodes after `node` in its graph, in order."""
     later, after = [], node.next
@@ -141,7 +104,7 @@ def _storage_read_after(update: fx.Node, tensor: fx.Node, spared: set[fx.Node]) 
     if owner.op != "call_function":
         return True
     later = set(_after(update))
-    return any(later & set(t.users) for t in _sharing(owner) - spared)
+    return any(later & set(t.users) for t in storage_sharers(owner) - spared)
 
 
 def _read_only_through(view: fx.Node, update: fx.Node) -> bool:
@@ -179,14 +142,14 @@ def check_updates_reach(graph: fx.Graph, plan) -> None:
         if not runs_in_place(node, plan):
             continue
         link, steps = node, ()
-        while _aliases_its_input(link) and isinstance(link.args[0], fx.Node):
+        while aliases_its_input(link) and isinstance(link.args[0], fx.Node):
             here = plan.nodes.get(link.name)  # what converts link's operand, link views
             steps = here.input_steps[0] if here is not None and here.input_steps else ()
             if steps:
                 break
             link = link.args[0]
         # read after it other than through what it returns (and that result's views)
-        if steps and _storage_read_after(node, node.args[0], _sharing(node)):
+        if steps and _storage_read_after(node, node.args[0], storage_sharers(node)):
             raise StrategyError(
                 f"node '{node.name}' ({node.target}) updates '{node.args[0].name}' in place, "
                 f"but the plan gives {'it' if link is node else repr(link.name)} a converted "
@@ -218,30 +181,13 @@ def updated_in_place(value: fx.Node, plan) -> bool:
     it, and no reader after the update may share it."""
     return any(
         writes_in_place(n) and runs_in_place(n, plan)
-        for n in _sharing(storage_owner(value)) - {value}
+        for n in storage_sharers(storage_owner(value)) - {value}
     )
 
 
 def runs_in_place(node: fx.Node, plan) -> bool:
     placed = plan.nodes.get(node.name)
     return placed is None or placed.strategy.lowering is not OUT_OF_PLACE
-
-
-def _returns_its_input(node: fx.Node) -> bool:
-    """Whether a `Tensor.to` call returns its input itself, as its schema's alias says
-    it may: only when it converts nothing and is not asked for a copy (`copy=True`, a
-    dtype or device changed, or a memory format the input is not in: a fresh tensor)."""
-    source, result = node.args[0].meta.get("val"), node.meta.get("val")
-    if source is None or result is None:
-        return True  # unknown: treated as the alias the schema allows
-    names = {a.name for a in node.target._schema.arguments}
-    copy = argument(node, "copy") if "copy" in names else False
-    layout = argument(node, "memory_format") if "memory_format" in names else None
-    converts = (source.dtype, source.device) != (result.dtype, result.device)
-    reformats = layout not in (None, torch.preserve_format) and not source.is_contiguous(
-        memory_format=layout
-    )
-    return not (copy or converts or reformats)
 
 
 def _functional(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
@@ -270,7 +216,7 @@ def _saved_as_out_of_place(node, in_shapes, out_shape, needs_grad, mask_itemsize
 def in_place(ctx: Context) -> list[Strategy]:
     target = ctx.inputs[0]
     owner = storage_owner(target)
-    through_view = _is_view(target) and not _read_only_through(target, ctx.node)
+    through_view = is_view(target) and not _read_only_through(target, ctx.node)
     if through_view and not _updatable_in_place(owner):
         if owner.op == "get_attr":
             raise StrategyError(

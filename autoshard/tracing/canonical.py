@@ -82,6 +82,13 @@ from torch.ops import aten
 
 from autoshard.tracing.experts import GROUPED_MM, grouped_mm_nt
 from autoshard.tracing.schema import schema_arguments
+from autoshard.tracing.storage import (
+    operands_written,
+    schema_returns,
+    storage_owner,
+    storage_sharers,
+    writes_in_place,
+)
 
 _TRANSPOSES = (aten.numpy_T.default, aten.t.default)
 _NAMED_PADDING = {
@@ -284,22 +291,8 @@ def slices_as_splits(graph: fx.Graph) -> None:
 def _storage_updated(x: fx.Node) -> bool:
     """Whether a node updates in place the storage `x` shares: through x, what x views,
     or any view of those."""
-    base = x
-    while _views(base) and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
-    sharing, stack = set(), [base]
-    while stack:
-        node = stack.pop()
-        if node not in sharing:
-            sharing.add(node)
-            stack += [user for user in node.users if _views(user)]
+    sharing = storage_sharers(storage_owner(x))
     return any(set(operands_written(user)) & sharing for node in sharing for user in node.users)
-
-
-def _views(node: fx.Node) -> bool:
-    """Whether `node` shares its first operand's storage: a view, an update in place,
-    or one of the views a split returns."""
-    return node.op == "call_function" and (_aliases(node) or node.target is operator.getitem)
 
 
 def _slice_bounds(node: fx.Node, x: fx.Node) -> tuple[int, int, int] | None:
@@ -572,40 +565,3 @@ def drop_copies_into_themselves(graph: fx.Graph) -> None:
         if source is target:
             node.replace_all_uses_with(target)
             graph.erase_node(node)
-
-
-def writes_in_place(node: fx.Node) -> bool:
-    """Whether `node` returns its first operand, updated in place (its schema says so)."""
-    return any(r.alias_info is not None and r.alias_info.is_write for r in schema_returns(node))
-
-
-# Norms that update their running statistics from the batch, though their schema
-# marks nothing written: the argument that says they do, in place
-_UPDATES_RUNNING_STATISTICS = {
-    aten.batch_norm.default: "training",
-    aten.instance_norm.default: "use_input_stats",
-}
-
-
-def operands_written(node: fx.Node) -> list[fx.Node]:
-    """The tensors `node` updates in place: those its schema marks written (an in-place
-    op's first operand, ``index_put_``'s), and a batch or instance norm's running
-    statistics where it updates them from the batch."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is None:
-        return []
-    given = {
-        a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
-        for i, a in enumerate(schema.arguments)
-    }
-    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    flag = _UPDATES_RUNNING_STATISTICS.get(node.target)
-    if flag is not None and given[flag]:
-        written += ["running_mean", "running_var"]
-    return [given[name] for name in written if isinstance(given[name], fx.Node)]
-
-
-def schema_returns(node: fx.Node) -> tuple:
-    """The results the schema of `node`'s op declares (none for what has no schema)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    return tuple(schema.returns) if schema is not None else ()
