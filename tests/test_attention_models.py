@@ -88,3 +88,11 @@ def test_attention_splits_its_queries_where_batch_and_heads_run_out(mode, plan):
         assert [n.strategy.lowering is not None for n in attentions] == [True, False, False]
         check_plan(autoshard.Plan.from_json(made.to_json()), trace_modes(model, inputs))
     assert_equivalent(f"{MODELS}:{mode}", (2, 2, 2), steps=2, **PLANS[plan])
+
+
+@pytest.mark.parametrize("plan", ["3d", "solved"])
+def test_targets_flattened_from_more_dims_than_the_loss_reads(plan):
+    # A value without gradient that its readers only slice is made sliced on each
+    # rank; these targets are a view of a 3-D stack, not a broadcast of it: aligning
+    # the two raised an IndexError while planning.
+    assert_equivalent(f"{MODELS}:stacked_targets", (2, 2, 2), steps=2, **PLANS[plan])

@@ -301,3 +301,25 @@ class MeanSquare(nn.Module):
 def few_sequences_loss():
     model, inputs = few_sequences()
     return MeanSquare(model), inputs
+
+
+class StackedTargets(nn.Module):
+    """Targets for two predictions per token (ProphetNet's n-gram loss): the labels
+    stacked to [B, 2, S], no gradient, flattened to the loss's rows, which are split."""
+
+    def __init__(self, dim: int = 16, vocab: int = 12):
+        super().__init__()
+        self.vocab = vocab
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x, labels):
+        logits = self.head(torch.stack([x, self.mix(x)], dim=1))  # [B, 2, S, V]
+        targets = torch.stack([labels, labels], dim=1)
+        scores = nn.functional.log_softmax(logits.view(-1, self.vocab), dim=-1)
+        return nn.functional.nll_loss(scores, targets.view(-1), ignore_index=0)
+
+
+def stacked_targets():
+    torch.manual_seed(0)
+    return StackedTargets(), (torch.randn(4, 8, 16), torch.randint(0, 12, (4, 8)))

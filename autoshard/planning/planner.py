@@ -481,6 +481,8 @@ def _localize(graph: fx.Graph, nodes: dict[str, NodePlan], stored, planning: Mes
         if any(inp.op == "get_attr" for inp in operands):
             continue  # a parameter or buffer is stored as its first reader reads it
         out_shape = _shape(node)
+        if any(len(_shape(inp)) > len(out_shape) for inp in operands):
+            continue  # not a broadcast (a view flattening dims): no slice of it to align
         layouts = [
             _aligned(wanted, _shape(inp), out_shape).normalized(planning) for inp in operands
         ]
@@ -543,8 +545,8 @@ def _sliced_by_all(node: fx.Node, nodes: dict[str, NodePlan]) -> Layout | None:
 
 
 def _aligned(out: Layout, shape, out_shape) -> Layout:
-    """`out` as seen by an operand of `shape` broadcast to `out_shape`: split where the
-    operand has the output's size, whole where it broadcasts."""
+    """`out` as seen by an operand of `shape` broadcast to `out_shape` (no more dims than
+    it): split where the operand has the output's size, whole where it broadcasts."""
     offset = len(out_shape) - len(shape)
     return Layout(
         tuple(
