@@ -603,7 +603,8 @@ def _add_options(
         )
         problem.transient[u, option] = dict(zip(names, total.transients))
         problem.knobs[u, option] = {}
-        # layers that share a conversion may be worth turning only all together
+        # layers that share a conversion or a gather bucket may be worth turning only
+        # all together
         together = set()
         for kind, positions, after in _together(cost, checkpoint):
             if _worth_having(_difference(total, after, checkpoint), None, 0):
