@@ -267,8 +267,7 @@ class Problem:
     )
     # Per unit and option, what knobs add together beyond the sum of what each adds
     # alone: a conversion several layers share is run by none of them once all of
-    # them keep their input as stored (q, k and v regathering one layer-norm output);
-    # a gather bucket's calls, once all its layers keep their weights whole.
+    # them keep their input as stored (q, k and v regathering one layer-norm output).
     joint: dict[tuple[str, Option], list[tuple[Effect, frozenset[Knob]]]] = field(
         default_factory=dict
     )
@@ -479,9 +478,9 @@ class _UnitCost:
     total: Totals
     output: float  # seconds returning the model's outputs, for the last unit
     knobs: tuple[_KnobCost, ...]
-    # layers whose knobs of one kind do more all turned than each alone: (the kind,
-    # their positions, the unit's totals with all of them turned); see `Problem.joint`
-    together: tuple[tuple[str, frozenset[int], Totals], ...] = ()
+    # per conversion that layers share, each of them with REGATHER on: (their
+    # positions, the unit's totals then); see `Problem.joint`
+    shared_regathered: tuple[tuple[frozenset[int], Totals], ...] = ()
 
 
 def _unit_cost(
@@ -508,57 +507,39 @@ def _unit_cost(
         return alt, total, alt_costs
 
     knobs = []
-    turnable: dict[str, set[str]] = {"weight": set(), REGATHER: set()}
+    regathering = set()
     before = totals(traced, plan, costs, names, optimizer, users, resident)
     for position, name in enumerate(names):
         placed = plan.nodes[name]
         if placed.strategy.split_weight is None:
             continue  # not a layer
-        turns = [("weight", _other_storage(placed))]
+        other = Knobs(split_weight=not default_split(placed.strategy.family))
+        turns = [("weight", other)]
         if can_regather(traced.nodes[name]):
             turns.append((REGATHER, Knobs(regather=True)))
         for kind, turned in turns:
             alt, after, alt_costs = turned_totals({name: turned})
             if alt.nodes[name] == placed:
                 continue  # nothing to turn: no other storage, no gathered input
-            turnable[kind].add(name)
-            transient = alt_costs[name].transient_bytes if kind == REGATHER else None
+            transient = None
+            if kind == REGATHER:
+                regathering.add(name)
+                transient = alt_costs[name].transient_bytes
             already = {v for v, _, _ in before.kept_as_stored}
             once = {v: (b, p) for v, b, p in after.kept_as_stored if v not in already}
             knobs.append(_KnobCost(position, kind, before, after, transient, once))
     position = {name: k for k, name in enumerate(names)}
-    together = []
-    # a conversion several layers share is run by none of them once all of them keep
-    # their input as stored (q, k and v regathering one layer-norm output)
+    shared_regathered = []
     for readers in _sharing(plan, names):
-        if len(readers) > 1 and readers <= turnable[REGATHER]:
+        if len(readers) > 1 and readers <= regathering:
             _, after, _ = turned_totals({name: Knobs(regather=True) for name in sorted(readers)})
-            together.append((REGATHER, frozenset(position[n] for n in readers), after))
-    # a gather bucket's calls are made by none of its layers once all of them keep
-    # their weight whole over the axis it gathers
-    for packed in _gathered_together(plan, names):
-        if len(packed) > 1 and packed <= turnable["weight"]:
-            turned = {n: _other_storage(plan.nodes[n]) for n in sorted(packed)}
-            _, after, _ = turned_totals(turned)
-            together.append(("weight", frozenset(position[n] for n in packed), after))
+            shared_regathered.append((frozenset(position[n] for n in readers), after))
     return _UnitCost(
         before,
         sum(costs["output"].forward_comm.values()) if last else 0.0,
         tuple(knobs),
-        tuple(together),
+        tuple(shared_regathered),
     )
-
-
-def _other_storage(placed: NodePlan) -> Knobs:
-    """A layer's weight knob turned: its weight stored as its family does not."""
-    return Knobs(split_weight=not default_split(placed.strategy.family))
-
-
-def _gathered_together(plan: Plan, names) -> list[frozenset[str]]:
-    """The layers among `names` whose weights each gather bucket gathers, once each."""
-    members = set(names)
-    served = {frozenset(n for n, _ in g.serves) for g in plan.gathers}
-    return sorted((s for s in served if s <= members), key=sorted)
 
 
 def _sharing(plan: Plan, names) -> list[frozenset[str]]:
@@ -603,19 +584,21 @@ def _add_options(
         )
         problem.transient[u, option] = dict(zip(names, total.transients))
         problem.knobs[u, option] = {}
-        # layers that share a conversion or a gather bucket may be worth turning only
-        # all together
+        # layers that share a conversion may be worth turning only all together
         together = set()
-        for kind, positions, after in _together(cost, checkpoint):
-            if _worth_having(_difference(total, after, checkpoint), None, 0):
-                together |= {Knob(names[k], _knob_kind(kind, family)) for k in positions}
+        for positions, after in cost.shared_regathered:
+            if not checkpoint and _worth_having(_difference(total, after, False), None, 0):
+                together |= {Knob(names[k], REGATHER) for k in positions}
         for knob_cost in cost.knobs:
             if knob_cost.kind == REGATHER and checkpoint:
                 continue  # a replayed region keeps nothing of its own anyway
             in_pieces = chunked is not None and names[knob_cost.position] in chunked.nodes
             if knob_cost.kind == REGATHER and in_pieces:
                 continue  # a head run in pieces keeps its pieces of the gathered input
-            knob = Knob(names[knob_cost.position], _knob_kind(knob_cost.kind, family))
+            kind = knob_cost.kind
+            if kind == "weight":
+                kind = WHOLE_WEIGHT if default_split(family) else SPLIT_WEIGHT
+            knob = Knob(names[knob_cost.position], kind)
             effect = _difference(knob_cost.before, knob_cost.after, checkpoint)
             transient = knob_cost.transient
             worth = _worth_having(effect, transient, total.transients[knob_cost.position])
@@ -629,29 +612,17 @@ def _add_options(
                 problem.knobs[u, option][knob] = effect
                 if transient is not None:
                     problem.knob_transient[u, option, knob] = transient
-        _add_joint(problem, u, option, names, cost)
-
-
-def _knob_kind(kind: str, family: str) -> str:
-    """The `Knob` kind of a `_KnobCost` kind in `family`."""
-    if kind != "weight":
-        return kind
-    return WHOLE_WEIGHT if default_split(family) else SPLIT_WEIGHT
-
-
-def _together(cost: _UnitCost, checkpoint: bool):
-    """`cost.together`, less what a replayed region has no knob for (REGATHER)."""
-    return [t for t in cost.together if not (checkpoint and t[0] == REGATHER)]
+        if not checkpoint:
+            _add_joint(problem, u, option, names, cost)
 
 
 def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost) -> None:
-    """`Problem.joint` for `option`: for each set of layers whose knobs do more all
-    turned than alone (`_UnitCost.together`), what turning all of them costs beyond
-    what the MILP sums for them."""
+    """`Problem.joint` for `option`: for each conversion several layers share, what
+    turning REGATHER on all of them costs beyond what the MILP sums for them."""
     knobs = problem.knobs[u, option]
     kept_once = problem.kept_once.get((u, option), {})
-    for kind, positions, after in _together(cost, option.checkpoint):
-        together = frozenset(Knob(names[k], _knob_kind(kind, option.family)) for k in positions)
+    for positions, after in cost.shared_regathered:
+        together = frozenset(Knob(names[k], REGATHER) for k in positions)
         if not together <= set(knobs):
             continue  # a layer's knob not worth having: never all on
         summed = [knobs[k] for k in sorted(together, key=str)]
@@ -660,7 +631,7 @@ def _add_joint(problem: Problem, u: str, option: Option, names, cost: _UnitCost)
             for once, keepers in kept_once.values()
             if (kept := _kept_from_first(once, keepers, together)) is not None
         ]
-        extra = _difference(cost.total, after, option.checkpoint)
+        extra = _difference(cost.total, after, False)
         for effect in summed:
             extra = extra - effect
         problem.joint.setdefault((u, option), []).append((extra, together))
