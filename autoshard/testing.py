@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from unittest import mock
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -123,12 +124,15 @@ def _leaves(outputs) -> list:
 
 
 def _loss(outputs) -> torch.Tensor:
+    """Every floating output weighted by its own random weights, the same for every
+    program: drawn in fp32 by numpy, whatever the dtype and the modes it runs under
+    (under the float64 reference's, torch would draw other numbers in float64)."""
     leaves = [t for t in _leaves(outputs) if t.is_floating_point()]
-    generator = torch.Generator().manual_seed(1234)
+    generator = np.random.default_rng(1234)
     total = 0
-    for t in leaves:  # weights drawn in fp32 whatever the dtype: the same for every program
-        weights = torch.randn(t.shape, generator=generator).to(t.dtype)
-        total = total + (t * weights).sum()
+    for t in leaves:
+        drawn = generator.standard_normal(tuple(t.shape), dtype=np.float32)
+        total = total + (t * torch.from_numpy(drawn).to(t.dtype)).sum()
     return total
 
 
