@@ -260,7 +260,8 @@ def permutes_by_number(graph: fx.Graph) -> None:
             node.target, node.args = aten.repeat.default, (x, padded)
 
 
-_FUSED = (aten.linear.default, aten.matmul.default, aten.addmm.default, aten.mm.default)
+# what a fused projection is: a product, on flattened tokens or not, bias added or not
+_PROJECTIONS = (*_PRODUCTS, aten.linear.default, aten.addmm.default)
 
 
 def slices_as_splits(graph: fx.Graph) -> None:
@@ -269,7 +270,7 @@ def slices_as_splits(graph: fx.Graph) -> None:
     in place, where nothing updates that tensor's storage in place (autograd refuses
     an update of one of several views a function returns, or of their base)."""
     for x in list(graph.nodes):
-        if x.op != "call_function" or x.target not in _FUSED or _storage_updated(x):
+        if x.op != "call_function" or x.target not in _PROJECTIONS or _storage_updated(x):
             continue
         by_dim: dict[int, list[tuple[int, int, fx.Node]]] = {}
         for user in x.users:
