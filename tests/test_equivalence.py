@@ -129,3 +129,32 @@ def test_errors_are_measured_against_float64_tensor_by_tensor():
     shifted = _compare("grad", "k_bias", 0, noise + 1e-3, noise, nan)
     assert failures([close, rounded]) == []
     assert failures([close, shifted]) == [shifted]
+
+
+def test_nan_and_infinities_are_compared_not_skipped():
+    serial = torch.tensor([-math.inf, 1.0, 2.0])
+    exact = serial.double()
+    masked = _compare("output", "scores", 0, serial.clone(), serial, exact)
+    assert masked.max_abs == 0.0 and masked.scale == 2.0  # an infinity scales nothing
+    assert failures([masked]) == []
+    for wrong in (math.nan, math.inf, 3.0):
+        got = serial.clone()
+        got[0 if wrong != 3.0 else 2] = wrong
+        assert failures([_compare("output", "scores", 0, got, serial, exact)]), wrong
+
+
+def test_a_reference_the_serial_program_is_far_from_does_not_judge():
+    # In float64, ``h.to(torch.float64)`` is ``h`` itself: a model that updates the cast
+    # in place computes something else there. Scaled by the serial program's error
+    # against that reference, any parallel error would pass; it is held to `rtol`
+    # against the serial program instead.
+    serial = torch.tensor([12.7, 1.0])
+    other = torch.tensor([6.1, 1.0], dtype=torch.float64)  # another computation
+    same = _compare("output", "0", 0, serial.clone(), serial, other)
+    off = _compare("output", "0", 0, serial + torch.tensor([0.5, 0.0]), serial, other)
+    assert failures([same]) == [] and failures([off]) == [off]
+
+
+def test_a_diverged_serial_run_is_refused():
+    with pytest.raises(ValueError, match="'layers.0.norm.weight' is not finite after 2 steps"):
+        assert_equivalent(f"{MODELS}:mlp", (2, 2, 2), strategy="3d", steps=2, lr=1e6)
