@@ -4,6 +4,7 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py            # 5 repeats
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --repeats 3 --steps 5
     flock /tmp/autoshard-ranks.lock python benchmarks/comm.py --compile --models gpt
+    python benchmarks/comm.py --fake --repeats 15 --steps 20      # the runtime's own CPU
 
 - "autoshard 3d": `autoshard.parallelize(model, mesh, inputs, strategy="3d")` on
   2×2×2: the paper's 3D linear, every activation and weight split over the three
@@ -14,7 +15,9 @@ collectives, and against PyTorch's DTensor tensor parallelism, on 8 gloo ranks.
 - "hand-written …": that very program with every collective call of the emitted code
   (all-gathers, reduce-scatters, all-reduces, splits, gradient buckets) replaced by a
   bare autograd pair around the c10d call, its process group resolved once (a gather
-  bucket runs autoshard's packing, called straight on its group): the
+  bucket runs autoshard's packing, called straight on its group; a gradient bucket is
+  one all-reduce of the gradients packed flat, launched asynchronously where the plan
+  overlaps, as autoshard's is, and waited for by the program's `grad_wait`): the
   collectives a hand-written 3D program makes, without autoshard's wrapper (the
   collectives inside layer norm and the loss stay autoshard's in both).
 - "DTensor TP": `parallelize_module` with the Megatron layout (first linear of each
@@ -32,6 +35,14 @@ taken per repeat on rank 0's process CPU time (gloo ranks on shared cores make
 wall time noise), and the table shows the minimum and the median. It also prints
 the collective calls per step of each autoshard program, from its comm log, and of
 the "3d" program without shared conversions, gradient buckets and gather buckets.
+
+With `--fake` one process plays rank 0 of the 8 on torch's fake process group, whose
+collectives move nothing and take no time (`autoshard.runtime.ranks.fake_rank`): what
+is left is the CPU each program spends on its own, around and between its
+collectives: Python, dispatch, autograd, and the compute of rank 0's shards. On a GPU,
+where a collective is launched on a stream and the CPU goes on, that is the CPU a step
+costs. On 8 gloo ranks sharing 2 cores, each gloo call costs a rank about 0.45 ms of
+CPU, and the call counts decide the ratios.
 """
 
 from __future__ import annotations
@@ -54,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 import autoshard  # noqa: E402
 from autoshard.runtime import comm  # noqa: E402
-from autoshard.runtime.ranks import RankPool, shared_pool  # noqa: E402
+from autoshard.runtime.ranks import MESH_DIM_NAMES, RankPool, fake_rank, shared_pool  # noqa: E402
 from autoshard.testing import load_factory  # noqa: E402
 
 MODELS = {
@@ -94,14 +105,14 @@ def _gather(x, g, dim):
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] * g.size, *moved.shape[1:]))
     dist.all_gather_single(out, moved, group=g.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # row-major, as autoshard's (see its comm)
 
 
 def _scatter(x, g, dim):
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // g.size, *moved.shape[1:]))
     dist.reduce_scatter_single(out, moved, group=g.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce(x, g, dim):
@@ -129,15 +140,20 @@ FORWARD = {
 
 
 class _BareBucket(torch.autograd.Function):
+    """One all-reduce of the gradients packed flat; where the plan overlaps, launched
+    and left to the program's `grad_wait`, as autoshard's bucket is."""
+
     @staticmethod
-    def forward(ctx, group, *tensors):
-        ctx.group = group
+    def forward(ctx, wired, *tensors):
+        ctx.group, ctx.overlap = wired
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ctx.group)
+        work = dist.all_reduce(flat, group=ctx.group, async_op=ctx.overlap)
+        if ctx.overlap:
+            comm._pending(flat, work)
         parts = flat.split([g.numel() for g in grads])
         return None, *(p.view_as(g) for p, g in zip(parts, grads))
 
@@ -171,7 +187,7 @@ def hand_written(parallel) -> fx.GraphModule:
             _WIRED.append((forward, backward, group, kwargs.get("dim")))
             node.target, node.args, node.kwargs = bare_pair, (node.args[0], len(_WIRED) - 1), {}
         elif node.target is comm.grad_bucket:
-            _WIRED.append(axes[node.kwargs["axis"]].group)
+            _WIRED.append((axes[node.kwargs["axis"]].group, node.kwargs.get("overlap", False)))
             node.target, node.args, node.kwargs = bare_bucket, (node.args[0], len(_WIRED) - 1), {}
         elif node.target is comm.gather_bucket:
             kwargs = node.kwargs
@@ -235,7 +251,7 @@ def _bench(device_mesh, spec, sizes, repeats, steps, compiled: bool):
         tp_model.load_state_dict(model.state_dict())
         variants["DTensor TP"] = dtensor_tp(tp_model, device_mesh)
         # the same layout as DTensor's, planned by autoshard: overhead like for like
-        flat = init_device_mesh("cpu", (device_mesh.size(),), mesh_dim_names=("a",))
+        flat = init_device_mesh("cpu", (device_mesh.size(),), mesh_dim_names=MESH_DIM_NAMES[:1])
         megatron = autoshard.parallelize(model, flat, inputs, strategy="megatron")
         variants["autoshard Megatron"] = megatron
         calls["Megatron"] = _calls(megatron, inputs)
@@ -259,17 +275,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--models", choices=("all", "mlp", "gpt"), default="all")
+    parser.add_argument(
+        "--fake", action="store_true", help="collectives that cost nothing: the runtime's own CPU"
+    )
     args = parser.parse_args()
-    pool = RankPool(8, timeout_s=COMPILE_TIMEOUT_S) if args.compile else shared_pool(8)
+    if args.fake and args.compile:
+        parser.error("--fake times eager programs only: leave out --compile")
+    if not args.fake:
+        pool = RankPool(8, timeout_s=COMPILE_TIMEOUT_S) if args.compile else shared_pool(8)
     for title, (spec, sizes) in MODELS.items():
         if args.models != "all" and not spec.endswith(f":{args.models}"):
             continue
-        times, calls = pool.run(
-            _bench, (2, 2, 2), spec, sizes, args.repeats, args.steps, args.compile
-        )[0]
+        bench = (spec, sizes, args.repeats, args.steps, args.compile)
+        if args.fake:
+            torch.set_num_threads(1)  # as each of the 8 gloo ranks runs
+            with fake_rank((2, 2, 2)) as device_mesh:
+                times, calls = _bench(device_mesh, *bench)
+        else:
+            times, calls = pool.run(_bench, (2, 2, 2), *bench)[0]
         print(f"\n{title}: collective calls per step", end="")
         print("".join(f"; {program} {n}" for program, n in calls.items()))
-        print("CPU time per step on rank 0:")
+        where = "rank 0, collectives that cost nothing" if args.fake else "rank 0 of 8 gloo ranks"
+        print(f"CPU time per step ({where}):")
         for phase, by_variant in times.items():
             for mine, theirs in COMPARED:
                 if mine not in by_variant or theirs not in by_variant:

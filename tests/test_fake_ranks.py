@@ -27,19 +27,15 @@ parts, weights whole over M) and `"3d"` under 4 GiB (7 block parts recomputed).
 
 from __future__ import annotations
 
-import math
 import operator
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autoshard
 from autoshard.api import Compiled, plan_traced
@@ -48,6 +44,7 @@ from autoshard.layout import Layout
 from autoshard.mesh import Mesh
 from autoshard.planning.options import PlanOptions
 from autoshard.runtime import comm
+from autoshard.runtime.ranks import fake_rank
 from autoshard.tracing.modes import trace_modes
 
 ROOT = Path(__file__).parents[1]
@@ -164,9 +161,7 @@ def _global_shapes(traced) -> dict[str, tuple[int, ...]]:
 def _check_rank(rank: int, model, inputs, compiled: Compiled, global_shapes) -> None:
     """Play rank `rank` of the 512: parallelize, then check its shards and what its
     program computes, on fake tensors."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(MESH))
-    try:
-        mesh = init_device_mesh("cpu", MESH, mesh_dim_names=Mesh.from_shape(MESH).names)
+    with fake_rank(MESH, rank) as mesh:
         parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
         plan = compiled.plan
         coord = dict(zip(plan.mesh.names, mesh.get_coordinate()))
@@ -194,8 +189,6 @@ def _check_rank(rank: int, model, inputs, compiled: Compiled, global_shapes) -> 
         for name, p in parallel.named_parameters():
             assert p.grad.shape == p.shape, (name, p.grad.shape, p.shape)
         assert log.bytes_by("node", "kind", "axis", "phase") == plan.predicted_comm()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

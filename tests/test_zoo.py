@@ -181,3 +181,13 @@ def test_a_plan_solved_on_a_relabeled_mesh_passes_the_check_a_saved_plan_gets():
     for the mesh itself (Qwen2-MoE on 1×2×4: "N=a,b" for "N=b,a", the same layouts).
     A saved plan is checked for what runs, not for how a strategy is described."""
     check_plan(zoo.plan_model("qwen2_moe", (1, 2, 4), "budget"), zoo.traced_model("qwen2_moe")[1])
+
+
+@pytest.mark.parametrize("mesh", [(2, 2, 2), (1, 2, 4)], ids=str)
+def test_a_split_planned_in_a_block_passes_the_check_a_saved_plan_gets(mesh):
+    """A block is planned with the values entering it in layouts the joined plan may
+    store otherwise: RoFormer's rotary table arrived split over its features in the
+    block, where its chunk into sines and cosines cut each piece over those axes; the
+    joined plan stores the table otherwise and gathers it on the way in. The check
+    derived the chunk's candidates from the stored layout only, and refused the plan."""
+    check_plan(zoo.plan_model("roformer", mesh, "budget"), zoo.traced_model("roformer")[1])

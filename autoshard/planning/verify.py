@@ -225,10 +225,19 @@ def _check_rule(node, here: NodePlan, inputs, stored, first_use, mesh: Mesh, whe
     strategy = _undescribed(dataclasses.replace(here.strategy, regather=()))
     seen = [None if i in first_use else stored[inp] for i, inp in enumerate(inputs)]
     read = [None if i in first_use else here.strategy.inputs[i] for i in range(len(inputs))]
+    # A block is planned with the values entering it in layouts the joined plan may
+    # store otherwise (converting them on the way in): a rule that follows its input
+    # (a split cutting its pieces over the axes its input arrived split on) was then
+    # given what it stores.
+    kept = here.strategy.stored
+    arrived = [
+        kept if r is not None and isinstance(kept, Layout) and kept.ndim == r.ndim else r
+        for r in read
+    ]
     # The family the node was planned under is not recorded (rules name their own,
     # "follow"): any family whose candidates hold the strategy will do.
     families = dict.fromkeys((here.strategy.family, *FAMILIES))
-    tries = ((layouts, family) for layouts in (seen, read) for family in families)
+    tries = ((layouts, family) for layouts in (seen, read, arrived) for family in families)
     for layouts, family in tries:
         ctx = Context(node, mesh, inputs, layouts, family)
         proposed = _candidates(ctx, mesh)[0] + replicated_fallback(ctx)

@@ -394,6 +394,8 @@ def _pending(buffer: torch.Tensor, work) -> None:
 
 def _wait_for(grads) -> None:
     """Wait for the reductions still running on the buffers `grads` are views of."""
+    if not _PENDING:  # a bucket's backward before any other was launched: the usual case
+        return
     for g in grads:
         if g is not None:
             _, works = _PENDING.pop(_storage(g), (None, ()))

@@ -33,6 +33,7 @@ tens of seconds on a loaded machine, which says nothing about how long a job may
 """
 
 import atexit
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -42,7 +43,7 @@ import signal
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
@@ -50,7 +51,7 @@ from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["MESH_DIM_NAMES", "RankError", "RankPool", "shared_pool"]
 
@@ -345,6 +346,26 @@ def _run_job(
         return True, pickle.dumps(fn(meshes[shape], *args, **kwargs))
     except Exception:
         return False, traceback.format_exc()
+
+
+@contextlib.contextmanager
+def fake_rank(shape: tuple[int, ...], rank: int = 0) -> Iterator[DeviceMesh]:
+    """This process as rank `rank` of a mesh of `shape` whose collectives move nothing
+    and take no time (torch's fake process group: results are left unwritten). For
+    checking what one rank of a mesh too large to start holds and runs, and for timing
+    the CPU a program spends around its collectives, which is what a GPU step pays to
+    launch them. The fake group is a private torch module, used here only.
+
+        with fake_rank((8, 8, 8), rank=511) as mesh:
+            parallel = autoshard.parallelize(model, mesh, inputs, compiled=compiled)
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=math.prod(shape))
+    try:
+        yield init_device_mesh("cpu", shape, mesh_dim_names=MESH_DIM_NAMES[: len(shape)])
+    finally:
+        dist.destroy_process_group()
 
 
 _shared_pools: dict[int, RankPool] = {}
