@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.overrides import has_torch_function
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from autoshard.layout import Layout
@@ -175,27 +177,54 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# The c10d calls, each on a contiguous tensor. Eager runs them as they are (the
-# cheapest call there is); torch.compile traces each as torch's functional collective
-# (dynamo's `traceable_collective_remaps`), which inductor buckets, reorders and
-# overlaps with compute.
+# The c10d calls, each on a contiguous tensor. Eager makes them on the axis's process
+# group itself, with options made once: `dist.all_gather_single` and its kin spend
+# more of a small call's CPU than the call (about 2.5 µs of 4–7 µs) on checks that
+# hold here by construction, and build their options anew each time. They are made
+# through `dist` where its wrappers do something: compiled (dynamo traces them as
+# torch's functional collectives, which inductor buckets, reorders and overlaps with
+# compute), under a torch function mode or on a tensor subclass (which handle them),
+# and on complex tensors (sent as real views).
+_GATHER = c10d.AllgatherOptions()
+_SCATTER = c10d.ReduceScatterOptions()
+_REDUCE = {op: c10d.AllreduceOptions() for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX)}
+for _options in (_GATHER, _SCATTER, *_REDUCE.values()):
+    _options.asyncOp = False  # waited for at once, as `dist`'s blocking calls are
+for _op, _options in _REDUCE.items():
+    _options.reduceOp = _op
+_SCATTER.reduceOp = dist.ReduceOp.SUM
+
+
+def _through_dist(x: torch.Tensor) -> bool:
+    return torch.compiler.is_compiling() or has_torch_function((x,)) or x.is_complex()
+
+
 def _gathered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
     """Every rank's `x` stacked along dim 0."""
     out = x.new_empty((x.shape[0] * axis.size, *x.shape[1:]))
-    dist.all_gather_single(out, x, group=axis.group)
+    if _through_dist(x):
+        dist.all_gather_single(out, x, group=axis.group)
+    else:
+        axis.group.all_gather_single(out, x, _GATHER).wait()
     return out
 
 
 def _scattered(x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
     """This rank's part of dim 0 of the sum of every rank's `x`."""
     out = x.new_empty((x.shape[0] // axis.size, *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, group=axis.group)
+    if _through_dist(x):
+        dist.reduce_scatter_single(out, x, group=axis.group)
+    else:
+        axis.group.reduce_scatter_single(out, x, _SCATTER).wait()
     return out
 
 
 def _reduce_(x: torch.Tensor, axis: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """`x`, replaced in place by the elementwise `op` of every rank's `x`."""
-    dist.all_reduce(x, op=op, group=axis.group)
+    if _through_dist(x):
+        dist.all_reduce(x, op=op, group=axis.group)
+    else:
+        axis.group.allreduce([x], _REDUCE[op]).wait()
     return x
 
 
