@@ -2,6 +2,7 @@
 as the destination layout says, and autograd brings back exactly the source's share
 of the serial gradient (the table of forward/backward pairs in autoshard.runtime.comm)."""
 
+import contextlib
 import itertools
 import math
 
@@ -76,3 +77,46 @@ def test_every_layout_pair_moves_values_and_gradients_exactly():
         assert failures == [], failures
         assert collectives > len(LAYOUTS) ** 2  # the conversions really communicated
     assert math.prod(SHAPE) == 256
+
+
+class _SeenCalls(torch.overrides.TorchFunctionMode):
+    """Records the `torch.distributed` calls made under it (a mode handles those)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", "").startswith("torch.distributed"):
+            self.seen.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _check_through_dist(device_mesh):
+    """Complex values and calls under a torch function mode go through `dist`'s own
+    calls (which view complex as real, and hand the call to the mode): the values
+    arrive as on the process groups' own calls."""
+    mesh = Mesh.from_device_mesh(device_mesh)
+    bound = comm.BoundMesh(device_mesh, mesh)
+    src, dst = Layout((("a", "b"), (), ("c",))), Layout((("b",), ("a",), ()))
+    failures, modes = [], _SeenCalls()
+    for dtype, mode in ((torch.complex64, None), (torch.float32, modes)):
+        full = torch.randn(SHAPE, dtype=dtype, generator=torch.Generator().manual_seed(3))
+        with mode if mode is not None else contextlib.nullcontext():
+            moved = _apply(
+                comm.local_part(full, src.dims, bound),
+                redistribute(src, dst, SHAPE, 4, mesh),
+                bound,
+            )
+            summed = comm.summed(comm.local_part(full, dst.dims, bound), (bound.axes["c"],), "t")
+        if not torch.allclose(moved, comm.local_part(full, dst.dims, bound)):
+            failures.append(f"{dtype} moved")
+        if not torch.allclose(summed, 2 * comm.local_part(full, dst.dims, bound)):
+            failures.append(f"{dtype} summed")
+    return failures, sorted(modes.seen)
+
+
+def test_complex_values_and_torch_function_modes_go_through_dist():
+    for failures, seen in shared_pool(8).run(_check_through_dist, (2, 2, 2)):
+        assert failures == []
+        assert {"all_gather_single", "all_reduce"} <= set(seen), seen
