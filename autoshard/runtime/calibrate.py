@@ -35,6 +35,7 @@ from scipy.optimize import nnls
 from autoshard.cost.hardware import Hardware, Link
 from autoshard.errors import MeshError
 from autoshard.mesh import DEFAULT_AXIS_NAMES, Mesh
+from autoshard.runtime import comm
 
 SIZES = (4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20)  # bytes of the full buffer
 WARMUP = 2
@@ -162,17 +163,18 @@ def _timed(fn, repeats: int, device: str, groups) -> float:
 
 
 def _time_collectives(group, sizes, repeats: int, device: str) -> list[float]:
-    """Seconds of an all-gather per size, then of an all-reduce per size."""
+    """Seconds of an all-gather per size, then of an all-reduce per size: the calls the
+    emitted program makes."""
     n = dist.get_world_size(group)
+    axis = comm.AxisGroup("timed", group, n, dist.get_rank(group))
     out = []
     for gather in (True, False):
         for size in sizes:
             full = torch.zeros(_full_numel(size, n), device=device)
             if gather:
-                shard = torch.zeros(full.numel() // n, device=device)
-                run = partial(dist.all_gather_single, full, shard, group=group)
+                run = partial(comm._gathered, torch.zeros(full.numel() // n, device=device), axis)
             else:
-                run = partial(dist.all_reduce, full, group=group)
+                run = partial(comm._reduce_, full, axis)
             out.append(_timed(run, repeats, device, [group]))
     return out
 
