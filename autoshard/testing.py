@@ -448,10 +448,14 @@ def assert_equivalent(
     arithmetic (a key bias's gradient under softmax): rounding noise, of either
     size. A parallel program returning more or fewer outputs fails.
 
-    `rtol` applies only to a tensor with no float64 reference (an integer one, or
-    any of a model built in float64, its own reference): it fails when its
-    error against the serial program exceeds `rtol` times its largest value,
-    plus the floor and `atol`.
+    `rtol` applies only to a tensor with no float64 reference (an integer one, any
+    of a model built in float64, its own reference, or one the serial program is
+    more than `UNRELIABLE_EPS` epsilons off: the reference computes something else
+    there, or the run is unstable): it fails when its error against the serial
+    program exceeds `rtol` times its largest value, plus the floor and `atol`.
+    NaN against NaN and equal infinities are equal; anything against a NaN or
+    another infinity fails. ValueError if the serial model's parameters are not
+    finite after the steps (its training diverged: lower `lr`).
 
     `planning` goes to `autoshard.compile` (strategy, memory_budget, hardware…,
     or `plan=` to apply your own), once, in this process: the ranks apply the
