@@ -497,7 +497,10 @@ class MemoryMeasurement:
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """(data pointer, bytes) of the storage under `t`; (0, 0) if it has none."""
+    """(data pointer, bytes) of the storage under `t`; (0, 0) if it has none (a meta
+    tensor's holds no memory)."""
+    if t.device.type == "meta":
+        return 0, 0
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):

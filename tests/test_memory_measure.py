@@ -109,6 +109,10 @@ def _build(model: str):
         run, inputs = hf_model("llama")
         run.keep = ("loss", "logits")  # as a user's `out = model(...)` holds them
         return run, inputs
+    if model == "gpt with dropout":  # the explicit attention: dropout on its probabilities
+        return load_factory(f"{ROOT}/examples/gpt.py:gpt")(
+            BATCH, SEQ, VOCAB, HIDDEN, 4, 2, dropout=0.1, explicit_attention=True
+        )
     return gpt() if model == "gpt" else hf_model(model)
 
 
@@ -266,6 +270,20 @@ def test_attention_on_split_query_rows_keeps_what_its_rule_says(capsys):
     plans = _plans(traced, ("3d",))
     attentions = [p for p in plans["3d"].nodes.values() if "dot_product" in p.op]
     assert all(p.strategy.inputs[0].dims[2] for p in attentions)
+    programs = {(name, n): autoshard.compile(model, MESH, inputs, plan=p) for n, p in plans.items()}
+    per_rank = shared_pool(8).run(_measured, MESH, programs)
+    _compare(per_rank, {(name, n): _predicted(traced, p) for n, p in plans.items()}, capsys)
+
+
+def test_dropout_counts_the_noise_it_draws_for_the_global_shape(capsys):
+    # Each rank draws the serial program's noise for the global shape (so that it drops
+    # what serial drops) and keeps its part: a whole activation's worth, alive while
+    # the dropout runs. Uncounted, the attention probabilities' dropout was the peak
+    # of the recomputed plan, 42 % over the prediction.
+    name = "gpt with dropout"
+    model, inputs = _build(name)
+    traced = trace(model, inputs)
+    plans = _plans(traced, ("3d",))
     programs = {(name, n): autoshard.compile(model, MESH, inputs, plan=p) for n, p in plans.items()}
     per_rank = shared_pool(8).run(_measured, MESH, programs)
     _compare(per_rank, {(name, n): _predicted(traced, p) for n, p in plans.items()}, capsys)

@@ -169,8 +169,7 @@ def dropout(
         return x
     if p == 1:
         return x * torch.zeros_like(x)
-    serial = torch.empty_strided(shape, stride, device="meta")
-    noise = torch.empty_like(serial, dtype=x.dtype, device=x.device)  # as torch's dropout
+    noise = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)  # as torch's
     noise.bernoulli_(1 - p).div_(1 - p)
     return x * comm.local_part(noise, dims, mesh).clone()  # keep only the local part alive
 

@@ -219,7 +219,15 @@ def _rewrite_dropout(node: fx.Node, placed: NodePlan, mesh: Mesh) -> None:
     node.kwargs = {"shape": placed.shape, "stride": stride, "dims": placed.strategy.stored.dims}
 
 
-DROPOUT = Lowering("dropout", _rewrite_dropout)
+def _dropout_noise(node: fx.Node, in_shapes, out_shape) -> int:
+    """The noise drawn for the global shape on every rank, as the serial program draws
+    it, alive until this rank's part is cut from it: a global activation's worth."""
+    if dropout_returns_input(node):
+        return 0
+    return numel(tuple(node.meta["val"].shape)) * itemsize(node)
+
+
+DROPOUT = Lowering("dropout", _rewrite_dropout, workspace=_dropout_noise)
 
 
 def dropout_returns_input(node: fx.Node) -> bool:
