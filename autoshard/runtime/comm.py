@@ -10,10 +10,10 @@ Each is a forward/backward pair (the README's table of conversions); `backward` 
 what the gradient needs, which depends on who consumes the output. `mesh` is this
 rank's `BoundMesh`, an attribute of the program (`passes.BindMesh` puts it there), so
 a call reads no global state and `torch.compile` sees plain constants. The
-collectives are c10d calls (`_gathered`, `_scattered`, `_reduce_`), which eager runs
-as they are and torch.compile traces as its functional collectives (inductor buckets,
-reorders and overlaps them); autograd keeps the axis each used, so backward needs no
-mesh.
+collectives are c10d calls (`_gathered`, `_scattered`, `_reduce_`), which eager makes
+on the axis's process group and torch.compile traces as its functional collectives
+(inductor buckets, reorders and overlaps them); autograd keeps the axis each used, so
+backward needs no mesh.
 
     with autoshard.comm_log() as log:
         model(x).sum().backward()
