@@ -153,6 +153,14 @@ def test_a_reference_the_serial_program_is_far_from_does_not_judge():
     same = _compare("output", "0", 0, serial.clone(), serial, other)
     off = _compare("output", "0", 0, serial + torch.tensor([0.5, 0.0]), serial, other)
     assert failures([same]) == [] and failures([off]) == [off]
+    # After an update, what the update amplified is the serial program's own error as
+    # much as the parallel one's (Adam's lr-sized steps of random sign on a key bias,
+    # whose gradient is rounding noise): the reference judges, scaled by that error.
+    exact = torch.tensor([0.1841, 0.01], dtype=torch.float64)
+    serial_step = exact.float() + torch.tensor([9.4e-3, 0.0])
+    parallel_step = exact.float() - torch.tensor([9.4e-3, 0.0])
+    adam = _compare("param", "k.bias", 1, parallel_step, serial_step, exact)
+    assert failures([adam]) == []
 
 
 def test_a_diverged_serial_run_is_refused():
