@@ -463,9 +463,19 @@ def assert_equivalent(
         worst = max(failed, key=lambda m: m.error if not math.isnan(m.error) else m.rel)
         compiled = planning.get("compiled")
         how = planning if compiled is None else {"choices": compiled.plan.choices or "forced"}
+        # every output and gradient equal, the parameters after the last update not
+        only_updates = all(m.what == "param" for m in failed)
+        hint = (
+            f"; every output and gradient of every step matches: only the parameters after "
+            f"{torch_optimizer.__name__}'s last update differ, which an optimizer that "
+            f"divides by the gradient's size (Adam near its eps) makes of rounding; "
+            f"check again with a smaller lr"
+            if only_updates and torch_optimizer is not torch.optim.SGD
+            else ""
+        )
         raise AssertionError(
             f"parallel program differs from the serial model on mesh {tuple(mesh_shape)} "
-            f"planned with {how}: {len(failed)} comparisons fail; worst: {worst}"
+            f"planned with {how}: {len(failed)} comparisons fail; worst: {worst}{hint}"
         )
     return report
 

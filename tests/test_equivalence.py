@@ -163,6 +163,28 @@ def test_a_reference_the_serial_program_is_far_from_does_not_judge():
     assert failures([adam]) == []
 
 
+class _StepBySize(torch.optim.Optimizer):
+    """A step scaled by the tensor's size: on a shard it is another step (the gradients
+    still match serial)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / p.numel())
+
+
+def test_an_update_that_differs_where_gradients_match_is_named():
+    with pytest.raises(AssertionError, match="only the parameters after _StepBySize's last"):
+        assert_equivalent(
+            f"{MODELS}:mlp", (2, 2, 2), strategy="3d", steps=1, torch_optimizer=_StepBySize
+        )
+
+
 def test_a_diverged_serial_run_is_refused():
     with pytest.raises(ValueError, match="'layers.0.norm.weight' is not finite after 2 steps"):
         assert_equivalent(f"{MODELS}:mlp", (2, 2, 2), strategy="3d", steps=2, lr=1e6)
