@@ -18,10 +18,12 @@ generator as construction did (a module's children are built inside its
    first, the innermost such module's function for each.
 
 Each rank keeps its part of every tensor (`Layout.shard_slices`), so the peak is
-two copies of one module's own tensors, never the model. What the replay cannot
+two copies of one module's own tensors, never the model. A function that writes
+its children's tensors (T5's, GPT-2's and Mamba's ``_init_weights`` of a block) is
+refused, naming it, and so is a tensor neither step writes. What the replay cannot
 see it cannot repeat: random draws in an ``__init__`` outside these two (a bare
-``nn.Parameter(torch.randn(...))``), or a ``reset_parameters()`` writing its
-children's tensors. A tensor neither step writes is refused by name.
+``nn.Parameter(torch.randn(...))``, as Hugging Face's ViT draws its class token)
+move every later draw, and the values differ from the serial construction's.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoshard.checkpoint import local_slices
 from autoshard.errors import CheckpointError
@@ -103,7 +106,8 @@ class _Replay:
         if callable(getattr(module, "reset_parameters", None)):
             self.reset_states[path] = torch.get_rng_state()
             twin = _materialized(module, fill=None)
-            twin.reset_parameters()
+            with _Writes(path, module, "reset_parameters()"):
+                twin.reset_parameters()
             self._keep(path, twin, only_first=True)
         if owner is module:
             self._initialize_subtree(path, module, owner)
@@ -117,9 +121,15 @@ class _Replay:
         self.initialized.add(path)
         twin = self._as_after_reset(path, module)
         before = {name: t.clone() for name, t in _direct(twin)}
-        with torch.no_grad():
+        with torch.no_grad(), _Writes(path, module, f"{type(owner).__name__}._init_weights") as w:
             owner._init_weights(twin)
-        changed = {name for name, t in _direct(twin) if not _same(before[name], t)}
+        # written, or changed: a tensor set to what NaN (or, for integers, 0) stood for
+        # before (BERT's token type ids, zeroed) is written all the same
+        changed = {
+            name
+            for name, t in _direct(twin)
+            if _storage(t) in w.written or not _same(before[name], t)
+        }
         self._keep(path, twin, names=changed, tied=_tied_names(owner, module, self.source))
 
     def _as_after_reset(self, path: str, module: torch.nn.Module) -> torch.nn.Module:
@@ -152,6 +162,41 @@ class _Replay:
             with torch.no_grad():
                 local.copy_(piece.reshape(local.shape))
             self.written.add(canonical)
+
+
+class _Writes(TorchDispatchMode):
+    """The storages a function writes while it initializes one module (`written`), and
+    a refusal where it writes tensors still on meta: its submodules' (T5's
+    `_init_weights` of an attention block draws its linears' weights), which the
+    replay does not materialize with the module, so their values would be lost and the
+    shards left as something else initialized them."""
+
+    def __init__(self, path: str, module: torch.nn.Module, function: str) -> None:
+        super().__init__()
+        self.where = f"{function} of {type(module).__name__} {path or '(the model)'!r}"
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.device.type == "meta":
+                raise CheckpointError(
+                    f"init_weights cannot replay {self.where}: it writes tensors of the "
+                    f"module's submodules ({func} on a {list(value.shape)} tensor), and each "
+                    "module is replayed alone; load weights (checkpoint.load, load_hf), or "
+                    "initialize the submodules in their own reset_parameters()"
+                )
+            self.written.add(_storage(value))
+        return func(*args, **kwargs)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _materialized(module: torch.nn.Module, fill: float | None) -> torch.nn.Module:

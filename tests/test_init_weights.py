@@ -55,12 +55,79 @@ class Bare(nn.Module):
         return self.fc(x * self.scale).sum()
 
 
+class _Embeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Embedding(64, 8)
+        self.register_buffer("type_ids", torch.ones(8, dtype=torch.long))
+
+    def forward(self, x):
+        return self.table(x) + self.table(self.type_ids)
+
+
+class TypeIds(nn.Module):
+    """An integer buffer its `_init_weights` zeroes (BERT's token type ids): zero is what
+    a replayed integer held before, and the buffer is written all the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.embeddings = _Embeddings()
+        self.head = nn.Linear(8, 4)
+        self.apply(self._init_weights)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, _Embeddings):
+            module.type_ids.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, 0.02)
+
+    def forward(self, x, y):
+        return self.head(self.embeddings(x)).sum()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h):
+        return self.fc(h)
+
+
+class ChildWriter(nn.Module):
+    """Its `_init_weights` of a block draws the block's linear's weight (T5's attention
+    blocks, GPT-2's, Mamba's mixers): each module is replayed alone, so the replay
+    cannot repeat it, and says so rather than keep the linear's own reset."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.block = _Block()
+        self.apply(self._init_weights)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, _Block):
+            module.fc.weight.normal_(0.0, 0.02)
+
+    def forward(self, x, y):
+        return self.block(self.emb(x)).sum()
+
+
 def _inputs(name: str):
     ids = torch.randint(0, 64, (4, 8), device="meta")
     return (ids, ids) if name != "bare" else (torch.empty(4, 8, device="meta"),)
 
 
-BUILDERS = {"gpt": _gpt, "llama": _llama, "hf-llama": _hf_llama, "bare": Bare}
+BUILDERS = {
+    "gpt": _gpt,
+    "llama": _llama,
+    "hf-llama": _hf_llama,
+    "type-ids": TypeIds,
+    "bare": Bare,
+    "child-writer": ChildWriter,
+}
 
 
 def _meta(name: str) -> torch.nn.Module:
@@ -89,7 +156,7 @@ def test_init_weights_equals_the_serial_construction(rank_pool):
         for name in BUILDERS
     }
     per_rank = rank_pool.run(_all, (2, 2, 2), compiled)
-    for name in ("gpt", "llama", "hf-llama"):
+    for name in ("gpt", "llama", "hf-llama", "type-ids"):
         torch.manual_seed(5)
         serial = BUILDERS[name]()
         want = {**dict(serial.named_parameters()), **dict(serial.named_buffers())}
@@ -102,3 +169,6 @@ def test_init_weights_equals_the_serial_construction(rank_pool):
     for rank, results in enumerate(per_rank):
         assert "'scale' of a Bare" in results["bare"], (rank, results["bare"])
         assert "give Bare a reset_parameters()" in results["bare"], rank
+        refused = results["child-writer"]
+        assert "ChildWriter._init_weights of _Block 'block'" in refused, (rank, refused)
+        assert "writes tensors of the module's submodules" in refused, (rank, refused)
