@@ -70,6 +70,10 @@ pads dilation × (kernel − 1) along each spatial dim: where that is even, half
 each side, and ATen itself runs the numeric overload with those paddings, so that
 is the ``aten.conv2d.default`` the convolution rule knows. (Where it is odd, one
 side pads more: ATen pads the input first, and that call is left as it is.)
+
+The CPU has no histogram of integers: ``histc(ids)`` of an integer tensor is
+``histc(ids.float())`` cast back (Hugging Face's grouped experts pick the dtype by
+the device they are traced on, and a model built on meta picks the integer one).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from __future__ import annotations
 import math
 import operator
 
+import torch
 from torch import fx
 from torch.ops import aten
 
@@ -125,6 +130,33 @@ def canonicalize(graph: fx.Graph) -> None:
     einsum_as_products(graph)
     broadcasts_as_expands(graph)
     drop_copies_into_themselves(graph)
+    integer_histograms_in_float(graph)
+
+
+def integer_histograms_in_float(graph: fx.Graph) -> None:
+    """``histc(ids)`` of an integer tensor → ``histc(ids.float())`` cast back, in place.
+    The CPU has no integer histogram, and a model that picks the dtype by the device it
+    is traced on (Hugging Face's grouped experts: float on the CPU, int elsewhere)
+    traced on the meta device makes the integer one. Counts of integers are exact in
+    float32 up to 2²⁴."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.histc.default)):
+        ids = node.args[0].meta["val"]
+        if ids.is_floating_point():
+            continue
+        with graph.inserting_before(node):
+            as_float = _call_like(
+                graph, node, aten._to_copy.default, (node.args[0],), ids.to(torch.float32)
+            )
+            as_float.kwargs = {"dtype": torch.float32}
+            args = (as_float, *node.args[1:])
+            counts = _call_like(
+                graph, node, aten.histc.default, args, node.meta["val"].to(torch.float32)
+            )
+            counts.kwargs = dict(node.kwargs)
+            back = _call_like(graph, node, aten._to_copy.default, (counts,), node.meta["val"])
+            back.kwargs = {"dtype": ids.dtype}
+        node.replace_all_uses_with(back)
+        graph.erase_node(node)
 
 
 def broadcasts_as_expands(graph: fx.Graph) -> None:
