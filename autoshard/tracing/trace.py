@@ -62,11 +62,20 @@ class Traced:
         return {n.name: n for n in self.graph_module.graph.nodes}
 
 
+def _built_on_meta(model: torch.nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
+
+
 def trace(model: torch.nn.Module, example_inputs: tuple) -> Traced:
     if not isinstance(example_inputs, tuple) or not all(
         isinstance(t, torch.Tensor) for t in example_inputs
     ):
         raise TraceError("example_inputs must be a tuple of tensors with global shapes")
+    if _built_on_meta(model):  # traced where its tensors are: real inputs would mix devices
+        example_inputs = tuple(
+            t.detach().to("meta").requires_grad_(t.requires_grad) for t in example_inputs
+        )
     forward_signature, names, args, kwargs = _bound(model, _unaliased(example_inputs))
     try:
         with (
