@@ -465,11 +465,11 @@ def assert_equivalent(
         how = planning if compiled is None else {"choices": compiled.plan.choices or "forced"}
         # every output and gradient equal, the parameters after the last update not
         only_updates = all(m.what == "param" for m in failed)
+        optimizer = getattr(torch_optimizer, "__name__", "the optimizer")
         hint = (
             f"; every output and gradient of every step matches: only the parameters after "
-            f"{torch_optimizer.__name__}'s last update differ, which an optimizer that "
-            f"divides by the gradient's size (Adam near its eps) makes of rounding; "
-            f"check again with a smaller lr"
+            f"{optimizer}'s last update differ, which an optimizer that divides by the "
+            f"gradient's size (Adam near its eps) makes of rounding; check with a smaller lr"
             if only_updates and torch_optimizer is not torch.optim.SGD
             else ""
         )
