@@ -279,7 +279,7 @@ def test_dropout_counts_the_noise_it_draws_for_the_global_shape(capsys):
     # Each rank draws the serial program's noise for the global shape (so that it drops
     # what serial drops) and keeps its part: a whole activation's worth, alive while
     # the dropout runs. Uncounted, the attention probabilities' dropout was the peak
-    # of the recomputed plan, 42 % over the prediction.
+    # of the recomputed plan, the prediction 42 % under it.
     name = "gpt with dropout"
     model, inputs = _build(name)
     traced = trace(model, inputs)
