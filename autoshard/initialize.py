@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autoshard.checkpoint import local_slices
 from autoshard.errors import CheckpointError
 from autoshard.runtime import agreement
+from autoshard.tracing.storage import written_arguments
 
 
 def init_weights(parallel, seed: int | None = None) -> None:
@@ -178,10 +179,7 @@ class _Writes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
+        for value in written_arguments(func, args, kwargs):
             if not isinstance(value, torch.Tensor):
                 continue
             if value.device.type == "meta":

@@ -281,14 +281,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.fake and args.compile:
         parser.error("--fake times eager programs only: leave out --compile")
-    if not args.fake:
+    if args.fake:
+        torch.set_num_threads(1)  # as each of the 8 gloo ranks runs
+    else:
         pool = RankPool(8, timeout_s=COMPILE_TIMEOUT_S) if args.compile else shared_pool(8)
     for title, (spec, sizes) in MODELS.items():
         if args.models != "all" and not spec.endswith(f":{args.models}"):
             continue
         bench = (spec, sizes, args.repeats, args.steps, args.compile)
         if args.fake:
-            torch.set_num_threads(1)  # as each of the 8 gloo ranks runs
             with fake_rank((2, 2, 2)) as device_mesh:
                 times, calls = _bench(device_mesh, *bench)
         else:

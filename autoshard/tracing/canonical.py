@@ -139,22 +139,17 @@ def integer_histograms_in_float(graph: fx.Graph) -> None:
     is traced on (Hugging Face's grouped experts: float on the CPU, int elsewhere)
     traced on the meta device makes the integer one. Counts of integers are exact in
     float32 up to 2²⁴."""
-    for node in list(graph.find_nodes(op="call_function", target=aten.histc.default)):
-        ids = node.args[0].meta["val"]
+    to, histc = aten._to_copy.default, aten.histc.default
+    for node in list(graph.find_nodes(op="call_function", target=histc)):
+        ids, counts = node.args[0].meta["val"], node.meta["val"]
         if ids.is_floating_point():
             continue
+        f32 = {"dtype": torch.float32}
         with graph.inserting_before(node):
-            as_float = _call_like(
-                graph, node, aten._to_copy.default, (node.args[0],), ids.to(torch.float32)
-            )
-            as_float.kwargs = {"dtype": torch.float32}
+            as_float = _call_like(graph, node, to, (node.args[0],), ids.to(**f32), f32)
             args = (as_float, *node.args[1:])
-            counts = _call_like(
-                graph, node, aten.histc.default, args, node.meta["val"].to(torch.float32)
-            )
-            counts.kwargs = dict(node.kwargs)
-            back = _call_like(graph, node, aten._to_copy.default, (counts,), node.meta["val"])
-            back.kwargs = {"dtype": ids.dtype}
+            counted = _call_like(graph, node, histc, args, counts.to(**f32), dict(node.kwargs))
+            back = _call_like(graph, node, to, (counted,), counts, {"dtype": ids.dtype})
         node.replace_all_uses_with(back)
         graph.erase_node(node)
 
@@ -471,9 +466,10 @@ def _cast_again(graph: fx.Graph, value: fx.Node, casts: list[fx.Node]) -> fx.Nod
     return value
 
 
-def _call_like(graph: fx.Graph, node: fx.Node, target, args: tuple, val) -> fx.Node:
+def _call_like(graph: fx.Graph, node: fx.Node, target, args: tuple, val, kwargs=None) -> fx.Node:
     """A call of `target` in `node`'s place, named after it, with its module and source."""
-    new = graph.create_node("call_function", target, args, name=f"{node.name}_{target._opname}")
+    name = f"{node.name}_{target._opname}"
+    new = graph.create_node("call_function", target, args, kwargs, name=name)
     new.meta = {**node.meta, "val": val}
     return new
 

@@ -35,22 +35,30 @@ _UPDATES_RUNNING_STATISTICS = {
 }
 
 
-def operands_written(node: fx.Node) -> list[fx.Node]:
-    """The tensors `node` updates in place: those its schema marks written (an in-place
-    op's first operand, ``index_put_``'s), and a batch or instance norm's running
-    statistics where it updates them from the batch."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+def written_arguments(op, args: tuple, kwargs: dict) -> list:
+    """What a call of `op` with `args` and `kwargs` updates in place: the arguments its
+    schema marks written (an in-place op's first operand, ``index_put_``'s), and a batch
+    or instance norm's running statistics where it updates them from the batch."""
+    schema = getattr(op, "_schema", None)
     if schema is None:
         return []
     given = {
-        a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+        a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
         for i, a in enumerate(schema.arguments)
     }
     written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-    flag = _UPDATES_RUNNING_STATISTICS.get(node.target)
+    flag = _UPDATES_RUNNING_STATISTICS.get(op)
     if flag is not None and given[flag]:
         written += ["running_mean", "running_var"]
-    return [given[name] for name in written if isinstance(given[name], fx.Node)]
+    return [given[name] for name in written]
+
+
+def operands_written(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node` updates in place (`written_arguments`)."""
+    if node.op != "call_function":
+        return []
+    written = written_arguments(node.target, node.args, node.kwargs)
+    return [value for value in written if isinstance(value, fx.Node)]
 
 
 def schema_returns(node: fx.Node) -> tuple:
